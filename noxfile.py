@@ -1,0 +1,122 @@
+"""Every task of the monorepo: tests, integration, lint, bench.
+
+Each package is tested in its own virtual environment holding only that package, the local
+packages it declares, and its `test` extra, so a missing dependency fails here and not on a
+user's machine. Packages with a `test-core` extra get a second run without the heavy
+frameworks, proving their pure algorithms import numpy only (markers `needs_torch` and
+`needs_mindspore` deselect the rest). uv makes the repeated MindSpore + torch environments cheap.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import nox
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ROOT = Path(__file__).parent
+PACKAGES_DIR = ROOT / "packages"
+
+nox.options.default_venv_backend = "uv"
+nox.options.sessions = ["lint", "tests", "integration"]
+nox.options.reuse_existing_virtualenvs = True
+
+# uv does not read pip's configuration: hand it the folder of local wheels (a CPU build of torch)
+# that pip is told about, or it would download PyPI's multi-GB CUDA build of torch.
+if os.environ.get("PIP_FIND_LINKS") and not os.environ.get("UV_FIND_LINKS"):
+    os.environ["UV_FIND_LINKS"] = os.environ["PIP_FIND_LINKS"]
+
+
+def _pyproject(package: str) -> dict:
+    return tomllib.loads((PACKAGES_DIR / package / "pyproject.toml").read_text())
+
+
+def _packages() -> list[str]:
+    return sorted(p.parent.name for p in PACKAGES_DIR.glob("*/pyproject.toml"))
+
+
+def _local_deps(package: str, seen: set[str] | None = None) -> list[str]:
+    """Local packages `package` depends on, dependencies first (they are not on PyPI yet)."""
+    seen = set() if seen is None else seen
+    local = set(_packages())
+    out: list[str] = []
+    project = _pyproject(package)["project"]
+    requirements = list(project.get("dependencies", []))
+    for extra in project.get("optional-dependencies", {}).values():
+        requirements += extra
+    for requirement in requirements:
+        name = re.split(r"[\s<>=!~\[;]", requirement, maxsplit=1)[0]
+        if name in local and name != package and name not in seen:
+            seen.add(name)
+            out += _local_deps(name, seen) + [name]
+    return out
+
+
+def _variants() -> list[str]:
+    out = []
+    for package in _packages():
+        out.append(package)
+        if "test-core" in _pyproject(package)["project"].get("optional-dependencies", {}):
+            out.append(f"{package}-core")
+    return out
+
+
+def _install_package(session: nox.Session, package: str, extra: str) -> None:
+    for dep in _local_deps(package):
+        session.install("-e", str(PACKAGES_DIR / dep))
+    session.install("-e", f"{PACKAGES_DIR / package}[{extra}]")
+
+
+@nox.session
+@nox.parametrize("variant", _variants())
+def tests(session: nox.Session, variant: str) -> None:
+    """Unit tests of one package in an environment of its own (`-core`: without torch/MindSpore)."""
+    core = variant.endswith("-core")
+    package = variant.removesuffix("-core")
+    _install_package(session, package, "test-core" if core else "test")
+    args = ["-m", "not needs_torch and not needs_mindspore"] if core else []
+    if core:
+        # The core variant must not even see the frameworks.
+        session.run(
+            "python",
+            "-c",
+            "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) for m in ('torch', 'mindspore')))",
+        )
+    session.run("pytest", str(PACKAGES_DIR / package / "tests"), *args, *session.posargs)
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """Tests that compose several packages and processes (msrun launches, multi-rank runs)."""
+    for package in _packages():
+        _install_package(session, package, "test")
+    session.run("pytest", str(ROOT / "integration_tests"), *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole tree."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Run every benchmarks/bench_*.py, print a table, write benchmarks/results/*.json."""
+    for package in _packages():
+        _install_package(session, package, "test")
+    session.install("rich>=13")
+    results = ROOT / "benchmarks" / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    for script in sorted((ROOT / "benchmarks").glob("bench_*.py")):
+        name = script.stem.removeprefix("bench_")
+        session.run("python", str(script), "--out", str(results / f"{name}.json"), *session.posargs)
+    session.run("python", str(ROOT / "benchmarks" / "summary.py"), str(results))

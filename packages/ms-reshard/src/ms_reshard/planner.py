@@ -1,0 +1,250 @@
+"""The box planner: from any layout to any layout, by intersecting target boxes with source boxes.
+
+This is the tile-intersection formulation of Alpa's cross-mesh resharding (Zhuang et al., MLSys'23,
+shared/reference/anchors/rlhf_reshard.md §3): it needs no common device matrix, so meshes that do
+not factor into each other (2x3 vs 3x2), different rank counts and disjoint rank sets are all the
+same case. For every target rank:
+
+1. its target box is cut along each dim by the source chunk boundaries into pieces;
+2. a piece whose source chunk the rank already holds is a local copy;
+3. every other piece comes from one of the ranks holding that chunk: the receivers of a chunk,
+   in rank order, are dealt out in contiguous blocks of equal bytes to its holders in rank order
+   (balances senders, and neighbouring ranks -- usually one node -- pair up);
+4. transfer groups that form a complete exchange of equal pieces become an all-gather or an
+   all-to-all (collectives.py), and a memory cap splits the rest into rounds (rounds.py).
+
+Each rank receives exactly the part of its target shard it does not hold: the lower bound.
+Everything is vectorized over ranks and pieces, so one plan costs the same for 8 or 4096 ranks up
+to numpy's per-element work.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from ms_layout import Layout, LayoutError
+
+from .collectives import find_collectives
+from .errors import ReshardError
+from .plan import TensorPlan, box_elems
+from .rounds import assign_rounds
+
+
+def plan(
+    src: Layout,
+    dst: Layout,
+    global_shape: Sequence[int],
+    itemsize: int = 4,
+    mem_cap: int | None = None,
+    collectives: bool = True,
+) -> TensorPlan:
+    """Plan moving a tensor of `global_shape` from layout `src` to layout `dst`.
+
+    `itemsize` only scales the byte counts; `mem_cap` bounds the bytes of send/receive buffers a
+    rank holds in one round; `collectives=False` keeps every transfer point-to-point.
+    """
+    shape = _check_inputs(src, dst, global_shape, itemsize, mem_cap)
+    ranks = np.union1d(np.asarray(src.ranks, dtype=np.int64), np.asarray(dst.ranks, dtype=np.int64))
+    src_ids = np.searchsorted(ranks, np.asarray(src.ranks, dtype=np.int64))
+    dst_ids = np.searchsorted(ranks, np.asarray(dst.ranks, dtype=np.int64))
+    return plan_ids(src, dst, shape, src_ids, dst_ids, ranks, itemsize, mem_cap, collectives)
+
+
+def _check_inputs(
+    src: Layout, dst: Layout, global_shape: Sequence[int], itemsize: int, mem_cap: int | None
+) -> tuple[int, ...]:
+    for side, layout in (("src", src), ("dst", dst)):
+        if not isinstance(layout, Layout) or layout.dims is None:
+            raise ReshardError(f"{side} must be an ms_layout.Layout with a tensor map, got {layout!r:.120}")
+    try:
+        shape = tuple(int(s) for s in global_shape)
+    except (TypeError, ValueError):
+        raise ReshardError(f"global shape {global_shape!r} must be a sequence of ints") from None
+    for side, layout in (("src", src), ("dst", dst)):
+        try:
+            layout.shard_shape(shape)
+        except LayoutError as exc:
+            raise ReshardError(f"{side} layout {layout} cannot hold global shape {shape}: {exc}") from None
+    if isinstance(itemsize, bool) or not isinstance(itemsize, int) or itemsize <= 0:
+        raise ReshardError(f"itemsize={itemsize!r} must be a positive int")
+    if mem_cap is not None and (not isinstance(mem_cap, int) or mem_cap < itemsize):
+        raise ReshardError(f"mem_cap={mem_cap!r} must be None or an int of at least one element ({itemsize} B)")
+    return shape
+
+
+def chunk_indices(layout: Layout) -> np.ndarray:
+    """[positions, ndim]: the chunk index of every device-matrix position along every tensor dim."""
+    sizes = layout.device_matrix
+    coords = np.unravel_index(np.arange(layout.rank_count), sizes)
+    out = np.zeros((layout.rank_count, layout.ndim), dtype=np.int64)
+    for d, axes in enumerate(layout.dims):
+        for axis in axes:  # first-named axis is the most significant digit (MindSpore's order)
+            a = layout.alias_names.index(axis)
+            out[:, d] = out[:, d] * sizes[a] + coords[a]
+    return out
+
+
+def _dim_pieces(size: int, src_parts: int, dst_parts: int) -> tuple[np.ndarray, ...]:
+    """Along one dim: for each target chunk j and slot m, the source chunk, start and stop of the
+    piece (slots past the last piece are marked invalid). Arrays are [dst_parts, slots]."""
+    a, b = size // src_parts, size // dst_parts
+    lo = np.arange(dst_parts, dtype=np.int64) * b
+    k0, k1 = lo // a, (lo + b - 1) // a
+    slots = int((k1 - k0).max()) + 1
+    k = k0[:, None] + np.arange(slots, dtype=np.int64)[None, :]
+    valid = k <= k1[:, None]
+    start = np.maximum(lo[:, None], k * a)
+    stop = np.minimum(lo[:, None] + b, (k + 1) * a)
+    return np.where(valid, k, 0), start, stop, valid
+
+
+def _pieces(shape: tuple[int, ...], src_splits: tuple[int, ...], dst_splits: tuple[int, ...]):
+    """Every piece of every target chunk: (target chunk flat id, source chunk flat id, box).
+
+    Pieces come out grouped by target chunk in flat (row-major) order."""
+    ndim = len(shape)
+    tables = [_dim_pieces(shape[d], src_splits[d], dst_splits[d]) for d in range(ndim)]
+    n_dst = math.prod(dst_splits)
+    grid = np.indices(dst_splits).reshape(ndim, -1).T if ndim else np.zeros((1, 0), dtype=np.int64)
+    slots = tuple(t[0].shape[1] for t in tables)
+    combos = np.indices(slots).reshape(ndim, -1).T if ndim else np.zeros((1, 0), dtype=np.int64)
+    valid = np.ones((n_dst, len(combos)), dtype=bool)
+    src_flat = np.zeros((n_dst, len(combos)), dtype=np.int64)
+    box = np.zeros((n_dst, len(combos), ndim, 2), dtype=np.int64)
+    for d, (k, start, stop, ok) in enumerate(tables):
+        j, m = grid[:, d][:, None], combos[:, d][None, :]
+        valid &= ok[j, m]
+        src_flat = src_flat * src_splits[d] + k[j, m]
+        box[:, :, d, 0], box[:, :, d, 1] = start[j, m], stop[j, m]
+    dst_flat = np.broadcast_to(np.arange(n_dst, dtype=np.int64)[:, None], valid.shape)
+    return dst_flat[valid], src_flat[valid], box[valid]
+
+
+def plan_ids(
+    src: Layout,
+    dst: Layout,
+    shape: tuple[int, ...],
+    src_ids: np.ndarray,
+    dst_ids: np.ndarray,
+    ranks: np.ndarray,
+    itemsize: int,
+    mem_cap: int | None,
+    collectives: bool,
+) -> TensorPlan:
+    """The planner proper, on ids (positions in `ranks`) instead of global ranks."""
+    ndim, n_ids = len(shape), len(ranks)
+    empty_box = np.zeros((0, ndim, 2), dtype=np.int64)
+    empty = np.zeros(0, dtype=np.int64)
+    if math.prod(shape) == 0:
+        zeros = np.zeros(n_ids, dtype=np.int64)
+        return TensorPlan(
+            src, dst, shape, itemsize, mem_cap, ranks, empty, empty_box, empty, empty, empty, empty_box, (),
+            zeros, zeros, zeros, 1,
+        )  # fmt: skip
+    src_splits, dst_splits = src.splits, dst.splits
+    src_chunk = _flat(chunk_indices(src), src_splits)
+    dst_chunk = _flat(chunk_indices(dst), dst_splits)
+    # Holders of each source chunk, ids ascending: [chunks, replicas]
+    order = np.lexsort((src_ids, src_chunk))
+    holders = src_ids[order].reshape(math.prod(src_splits), -1)
+    held_chunk = np.full(n_ids, -1, dtype=np.int64)
+    held_chunk[src_ids] = src_chunk
+
+    p_dst, p_src, p_box = _pieces(shape, src_splits, dst_splits)
+    counts = np.bincount(p_dst, minlength=math.prod(dst_splits))
+    starts = np.cumsum(counts) - counts
+    # Expand pieces to every target rank holding that chunk: one row per (receiver, piece)
+    n_per = counts[dst_chunk]
+    recv = np.repeat(dst_ids, n_per)
+    first = np.repeat(starts[dst_chunk], n_per)
+    piece = first + np.arange(len(recv)) - np.repeat(np.cumsum(n_per) - n_per, n_per)
+    chunk, boxes = p_src[piece], p_box[piece]
+    local = held_chunk[recv] == chunk
+
+    copy_id, copy_box = recv[local], boxes[local]
+    recv, chunk, boxes = recv[~local], chunk[~local], boxes[~local]
+    sender = _choose_senders(recv, chunk, box_elems(boxes), holders)
+    order = np.lexsort((recv, sender))
+    sender, recv, boxes = sender[order], recv[order], boxes[order]
+
+    found = find_collectives(sender, recv, boxes, n_ids) if collectives else []
+    keep = np.ones(len(sender), dtype=bool)
+    for _, rows in found:
+        keep[rows] = False
+    cols = [c for c, _ in found]
+    xfer_round, cols, (sender, recv, boxes), notes = assign_rounds(
+        cols, sender[keep], recv[keep], boxes[keep], itemsize, mem_cap, n_ids
+    )
+    sent, received = _traffic(sender, recv, boxes, cols, n_ids, itemsize)
+    lower = _lower_bound(src, dst, shape, src_ids, dst_ids, n_ids, itemsize)
+    rounds = int(max([0, *xfer_round.tolist(), *[c.round for c in cols]])) + 1
+    return TensorPlan(
+        src, dst, shape, itemsize, mem_cap, ranks, copy_id, copy_box, sender, recv, xfer_round, boxes,
+        tuple(cols), sent, received, lower, rounds, tuple(notes),
+    )  # fmt: skip
+
+
+def _flat(index: np.ndarray, splits: tuple[int, ...]) -> np.ndarray:
+    out = np.zeros(len(index), dtype=np.int64)
+    for d, n in enumerate(splits):
+        out = out * n + index[:, d]
+    return out
+
+
+def _choose_senders(recv: np.ndarray, chunk: np.ndarray, elems: np.ndarray, holders: np.ndarray) -> np.ndarray:
+    """For each (receiver, chunk) piece, the holder that sends it.
+
+    The receivers of one chunk, in id order, are split into as many contiguous blocks of equal bytes
+    as the chunk has holders, and block i goes to holder i (ids ascending): every holder sends the
+    same share, and low ranks are served by low ranks. Ids preserve rank order, so the choice is the
+    same under any order-preserving relabeling of the ranks (which is what lets plans be reused)."""
+    if len(recv) == 0:
+        return recv.copy()
+    replicas = holders.shape[1]
+    order = np.lexsort((recv, chunk))
+    c, e = chunk[order], elems[order]
+    cum = np.cumsum(e)
+    new_group = np.r_[True, c[1:] != c[:-1]]
+    group = np.cumsum(new_group) - 1
+    base = (cum - e)[new_group]
+    total = np.add.reduceat(e, np.flatnonzero(new_group))
+    before = cum - e - base[group]
+    slot = np.minimum(before * replicas // total[group], replicas - 1)
+    out = np.empty_like(recv)
+    out[order] = holders[c, slot]
+    return out
+
+
+def _traffic(sender, recv, boxes, cols, n_ids: int, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes each id sends and receives, point-to-point and in collectives."""
+    elems = box_elems(boxes)
+    sent = np.bincount(sender, weights=elems, minlength=n_ids).astype(np.int64)
+    received = np.bincount(recv, weights=elems, minlength=n_ids).astype(np.int64)
+    for col in cols:
+        members = np.asarray(col.members)
+        k = len(members)
+        # k-1 pieces go out and k-1 come in, in both kinds (the diagonal of an all-to-all stays local)
+        sent[members] += (k - 1) * col.elems
+        received[members] += (k - 1) * col.elems
+    return sent * itemsize, received * itemsize
+
+
+def _lower_bound(src, dst, shape, src_ids, dst_ids, n_ids: int, itemsize: int) -> np.ndarray:
+    """Per id: elements of its target box outside its own source box (computed from the boxes
+    directly, independently of the pieces, so it checks the planner rather than repeating it)."""
+    src_shard = np.asarray(src.shard_shape(shape), dtype=np.int64)
+    dst_shard = np.asarray(dst.shard_shape(shape), dtype=np.int64)
+    in_src = np.zeros(n_ids, dtype=bool)
+    in_src[src_ids] = True
+    src_lo = np.zeros((n_ids, len(shape)), dtype=np.int64)
+    src_lo[src_ids] = chunk_indices(src) * src_shard
+    dst_lo = chunk_indices(dst) * dst_shard
+    s_lo = src_lo[dst_ids]
+    overlap = np.clip(np.minimum(dst_lo + dst_shard, s_lo + src_shard) - np.maximum(dst_lo, s_lo), 0, None)
+    held = np.where(in_src[dst_ids], np.prod(overlap, axis=1), 0)
+    out = np.zeros(n_ids, dtype=np.int64)
+    out[dst_ids] = int(np.prod(dst_shard)) - held
+    return out * itemsize

@@ -1,0 +1,54 @@
+"""ms-pipeline: pipeline-parallel schedules for MindSpore as data.
+
+Build a schedule (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZeroBubbleV), validate it, lower it to
+sends and receives, simulate it under a cost model, draw it, serialize it, and run it on real
+processes (``ms_pipeline.runtime``, which imports MindSpore). The core needs numpy and msgpack.
+"""
+
+from __future__ import annotations
+
+from .errors import ScheduleError
+from .ir import Action, Kind, Schedule, format_actions, parse_actions
+from .lower import lower, step_simulate
+from .placement import LayerPlacement, stage_to_rank
+from .schedules import BUILDERS, build, gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_h1, zero_bubble_v
+from .serialize import dumps, from_csv, load, loads, save, to_csv
+from .simulate import Bubbles, CostModel, Event, SimResult, peak_activation, simulate
+from .validate import format_grid, is_valid, validate
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BUILDERS",
+    "Action",
+    "Bubbles",
+    "CostModel",
+    "Event",
+    "Kind",
+    "LayerPlacement",
+    "Schedule",
+    "ScheduleError",
+    "SimResult",
+    "build",
+    "dumps",
+    "format_actions",
+    "format_grid",
+    "from_csv",
+    "gpipe",
+    "interleaved_1f1b",
+    "is_valid",
+    "load",
+    "loads",
+    "lower",
+    "one_f_one_b",
+    "parse_actions",
+    "peak_activation",
+    "save",
+    "simulate",
+    "stage_to_rank",
+    "step_simulate",
+    "to_csv",
+    "validate",
+    "zero_bubble_h1",
+    "zero_bubble_v",
+]

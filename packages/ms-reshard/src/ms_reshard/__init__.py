@@ -7,20 +7,43 @@ safetensors and tqdm.
 
 from __future__ import annotations
 
+from . import serialize as _serialize  # registers the plan kinds with ms_layout.dumps/loads
 from .errors import ReshardError
-from .local import apply_local
+from .fusion import DEFAULT_FUSIONS, FusionRule, load_rules, rules_from_data
+from .local import apply_local, apply_model_local
+from .model_plan import ModelPlan, ParamSpec, PartMove, PlanCache, model_plan
 from .plan import Collective, Op, OpKind, TensorPlan, format_plan
 from .planner import plan
+from .serialize import plan_from_bytes, plan_to_bytes
+from .specs import param_specs, stored_layout
+from .validate import validate
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_FUSIONS",
     "Collective",
+    "FusionRule",
+    "ModelPlan",
     "Op",
     "OpKind",
+    "ParamSpec",
+    "PartMove",
+    "PlanCache",
     "ReshardError",
     "TensorPlan",
     "apply_local",
+    "apply_model_local",
     "format_plan",
+    "load_rules",
+    "model_plan",
+    "param_specs",
     "plan",
+    "plan_from_bytes",
+    "plan_to_bytes",
+    "rules_from_data",
+    "stored_layout",
+    "validate",
 ]
+
+del _serialize

@@ -135,3 +135,43 @@ def _collect(plan: TensorPlan, index: int, rank: int, mail: dict, out: np.ndarra
 
 def _tup(box: np.ndarray) -> Box:
     return tuple((int(a), int(b)) for a, b in box)
+
+
+def _along(dim: int, start: int, size: int) -> tuple:
+    return (slice(None),) * dim + (slice(start, start + size), Ellipsis)
+
+
+def apply_model_local(model_plan, shards: Mapping[str, Mapping[int, np.ndarray]]) -> dict[str, dict[int, np.ndarray]]:
+    """Run a ModelPlan on {source name: {rank: shard}}; returns {target name: {rank: shard}}.
+
+    A part of a fused parameter is read from (and written to) its offset inside the fused shard;
+    values are cast to the target's dtype when numpy knows it."""
+    out: dict[str, dict[int, np.ndarray]] = {}
+    for move in model_plan.moves:
+        p = move.plan
+        if move.src_name not in shards:
+            raise ReshardError(f"no shards given for source parameter {move.src_name!r}")
+        n_src = p.src.shard_shape(p.shape)[move.dim] if p.shape else 0
+        part = {r: np.asarray(a)[_along(move.dim, move.src_offset, n_src)] if p.shape else a
+                for r, a in shards[move.src_name].items()}  # fmt: skip
+        result = apply_local(p, part)
+        spec = model_plan.dst[move.dst_name]
+        if move.dst_name not in out:
+            dtype = _numpy_dtype(spec.dtype, next(iter(result.values())).dtype) if result else np.float32
+            local = spec.layout.shard_shape(spec.shape)
+            out[move.dst_name] = {r: np.empty(local, dtype=dtype) for r in spec.layout.ranks}
+        n_dst = p.dst.shard_shape(p.shape)[move.dim] if p.shape else 0
+        for r, a in result.items():
+            target = out[move.dst_name][r]
+            if p.shape:
+                target[_along(move.dim, move.dst_offset, n_dst)] = a
+            else:
+                target[...] = a
+    return out
+
+
+def _numpy_dtype(name: str, fallback: np.dtype) -> np.dtype:
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return fallback

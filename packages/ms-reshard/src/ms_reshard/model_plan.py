@@ -1,0 +1,242 @@
+"""Whole-model plans: every parameter of a model from one set of layouts to another.
+
+Parameters are matched by name; a name one side fuses and the other splits is matched through the
+declared fusion rules (fusion.py), one tensor plan per part. Plans are cached twice: exactly, by
+(layouts, shape, itemsize) -- every layer of one pipeline stage shares them -- and up to an
+order-preserving relabeling of the ranks, which makes the plans of other stages and other expert
+owners free (the planner's choices depend only on rank order, see planner._choose_senders).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ms_layout import Layout
+
+from .errors import ReshardError
+from .fusion import DEFAULT_FUSIONS, FusionRule, concat_shape, fused_name, part_names, split_name
+from .plan import TensorPlan
+from .planner import _check_inputs, plan_ids
+
+ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1, "uint8": 1}
+
+
+def itemsize_of(dtype: str) -> int:
+    """Bytes per element of a dtype name (bfloat16 included, which numpy does not know)."""
+    if dtype in ITEMSIZE:
+        return ITEMSIZE[dtype]
+    try:
+        return int(np.dtype(dtype).itemsize)
+    except TypeError:
+        raise ReshardError(f"unknown dtype {dtype!r}; known: {sorted(ITEMSIZE)}") from None
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter on one side of a reshard."""
+
+    layout: Layout
+    """Its layout, with the ranks that hold it."""
+    shape: tuple[int, ...]
+    """Its global shape."""
+    dtype: str = "float32"
+    """Its dtype name (the executors cast to the target's dtype on arrival)."""
+
+
+@dataclass(frozen=True)
+class PartMove:
+    """One tensor moved by one plan: a whole parameter, or one part of a fused parameter."""
+
+    src_name: str
+    """Source parameter the tensor is read from."""
+    dst_name: str
+    """Target parameter the tensor is written to."""
+    dim: int
+    """Dim along which the tensor sits inside a fused parameter (0 when nothing is fused)."""
+    src_offset: int
+    """Offset along `dim` of the tensor inside every source rank's local shard."""
+    dst_offset: int
+    """Offset along `dim` of the tensor inside every target rank's local shard."""
+    plan: TensorPlan
+    """The plan for the tensor itself (its shape is the part's shape)."""
+
+
+@dataclass(frozen=True, eq=False)
+class ModelPlan:
+    """How to move every parameter of a model."""
+
+    src: dict[str, ParamSpec]
+    """Source parameters by name."""
+    dst: dict[str, ParamSpec]
+    """Target parameters by name."""
+    moves: tuple[PartMove, ...]
+    """One move per target parameter, or per part of a fused one, in target name order."""
+    unused: tuple[str, ...] = field(default=())
+    """Source parameters no target needs (allowed only when asked for)."""
+
+    def per_rank(self) -> dict[int, dict[str, int]]:
+        """Per global rank: bytes sent, received and the lower bound, summed over all moves."""
+        out: dict[int, dict[str, int]] = {}
+        for move in self.moves:
+            for row in move.plan.per_rank():
+                acc = out.setdefault(row["rank"], {"sent": 0, "received": 0, "lower_bound": 0})
+                for k in acc:
+                    acc[k] += row[k]
+        return dict(sorted(out.items()))
+
+    def bytes_moved(self) -> int:
+        """Total bytes received by all ranks."""
+        return sum(m.plan.bytes_moved() for m in self.moves)
+
+    def lower_bound_total(self) -> int:
+        """Total of all per-rank lower bounds."""
+        return sum(m.plan.lower_bound_total() for m in self.moves)
+
+    def unique_plans(self) -> int:
+        """Distinct plan arrays (plans shared through the caches count once)."""
+        return len({id(m.plan.xfer_src) for m in self.moves})
+
+    def __str__(self) -> str:
+        lines = [
+            f"ModelPlan: {len(self.dst)} target parameters, {len(self.moves)} moves, "
+            f"{self.unique_plans()} distinct plans; moved {self.bytes_moved()} B, "
+            f"lower bound {self.lower_bound_total()} B"
+        ]
+        for m in self.moves[:20]:
+            part = "" if m.src_name == m.dst_name else f" <- {m.src_name}"
+            lines.append(
+                f"  {m.dst_name}{part}  {m.plan.shape}  moved {m.plan.bytes_moved()} B "
+                f"(lower bound {m.plan.lower_bound_total()} B)"
+            )
+        if len(self.moves) > 20:
+            lines.append(f"  ... {len(self.moves) - 20} more")
+        return "\n".join(lines)
+
+
+class PlanCache:
+    """Plans by exact key, and by key up to an order-preserving relabeling of the ranks."""
+
+    def __init__(self, mem_cap: int | None = None, collectives: bool = True):
+        self.mem_cap, self.collectives = mem_cap, collectives
+        self.exact: dict[tuple, TensorPlan] = {}
+        self.canonical: dict[tuple, TensorPlan] = {}
+        self.computed = 0
+
+    def get(self, src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -> TensorPlan:
+        """The plan for these layouts and shape, computed at most once per relabeling class."""
+        key = (src, dst, shape, itemsize)
+        found = self.exact.get(key)
+        if found is not None:
+            return found
+        _check_inputs(src, dst, shape, itemsize, self.mem_cap)
+        s_ranks, d_ranks = np.asarray(src.ranks, dtype=np.int64), np.asarray(dst.ranks, dtype=np.int64)
+        ranks = np.union1d(s_ranks, d_ranks)
+        src_ids, dst_ids = np.searchsorted(ranks, s_ranks), np.searchsorted(ranks, d_ranks)
+        ckey = (
+            (src.device_matrix, src.alias_names, src.dims),
+            (dst.device_matrix, dst.alias_names, dst.dims),
+            shape,
+            itemsize,
+            src_ids.tobytes(),
+            dst_ids.tobytes(),
+        )
+        core = self.canonical.get(ckey)
+        if core is None:
+            core = plan_ids(src, dst, shape, src_ids, dst_ids, ranks, itemsize, self.mem_cap, self.collectives)
+            self.canonical[ckey] = core
+            self.computed += 1
+        result = core if core.src == src and core.dst == dst else core.relabel(src, dst, ranks)
+        self.exact[key] = result
+        return result
+
+
+def _local_size(layout: Layout, part_dim_size: int, dim: int, name: str) -> int:
+    parts = layout.splits[dim]
+    if part_dim_size % parts:
+        raise ReshardError(
+            f"a part of {name!r} has {part_dim_size} rows along dim {dim}, not divisible into the {parts} "
+            f"chunks of its layout {layout}"
+        )
+    return part_dim_size // parts
+
+
+def model_plan(
+    src: Mapping[str, ParamSpec],
+    dst: Mapping[str, ParamSpec],
+    fusions: Sequence[FusionRule] = DEFAULT_FUSIONS,
+    mem_cap: int | None = None,
+    collectives: bool = True,
+    allow_unused: bool = False,
+    cache: PlanCache | None = None,
+) -> ModelPlan:
+    """Plan moving every target parameter from the source parameters (see the module docstring)."""
+    cache = cache or PlanCache(mem_cap, collectives)
+    moves: list[PartMove] = []
+    used: set[str] = set()
+    for name in sorted(dst):
+        spec = dst[name]
+        if name in src:
+            moves.append(_move(cache, name, src[name], name, spec))
+            used.add(name)
+        elif (split := part_names(name, fusions)) and all(p in src for p in split[0]):
+            moves += _gather_parts(cache, name, spec, split[0], split[1], src)
+            used.update(split[0])
+        elif (fused := fused_name(name, fusions)) and fused[0] in src:
+            moves.append(_from_fused(cache, name, spec, fused[0], fused[1], fused[2], src, dst))
+            used.add(fused[0])
+        else:
+            raise ReshardError(f"no source for target parameter {name!r}: not in the source, no fusion rule maps it")
+    unused = tuple(sorted(set(src) - used))
+    if unused and not allow_unused:
+        raise ReshardError(f"{len(unused)} source parameters have no target, e.g. {list(unused[:5])}")
+    return ModelPlan(dict(src), dict(dst), tuple(moves), unused)
+
+
+def _move(cache, src_name, s: ParamSpec, dst_name, d: ParamSpec, dim=0, s_off=0, d_off=0, shape=None) -> PartMove:
+    """A move of `shape` (default: the whole parameter, which must have one shape on both sides)."""
+    if shape is None:
+        if tuple(s.shape) != tuple(d.shape):
+            raise ReshardError(
+                f"{dst_name!r} has shape {tuple(s.shape)} in the source and {tuple(d.shape)} in the target"
+            )
+        shape = tuple(d.shape)
+    try:
+        p = cache.get(s.layout, d.layout, tuple(shape), itemsize_of(s.dtype))
+    except ReshardError as exc:
+        raise ReshardError(f"parameter {dst_name!r} (from {src_name!r}): {exc}") from None
+    return PartMove(src_name, dst_name, dim, s_off, d_off, p)
+
+
+def _gather_parts(cache, name, spec: ParamSpec, parts, rule: FusionRule, src) -> list[PartMove]:
+    shapes = [tuple(src[p].shape) for p in parts]
+    if concat_shape(shapes, rule.dim, name) != tuple(spec.shape):
+        raise ReshardError(f"{name!r} has shape {tuple(spec.shape)}; its parts {parts} concatenate to other")
+    out, offset = [], 0
+    for p, shape in zip(parts, shapes):
+        out.append(_move(cache, p, src[p], name, spec, rule.dim, 0, offset, shape))
+        offset += _local_size(spec.layout, shape[rule.dim], rule.dim, name)
+    return out
+
+
+def _from_fused(cache, name, spec: ParamSpec, fused: str, rule: FusionRule, index: int, src, dst) -> PartMove:
+    # The part's offset inside the fused source shard is the sum of the local sizes of the parts
+    # before it, so every part must be a target too: their shapes are what splits the fused tensor.
+    siblings = fused_siblings(name, rule)
+    missing = [p for p in siblings if p not in dst]
+    if missing:
+        raise ReshardError(f"{fused!r} is fused from {siblings}; the target lacks {missing}, so it cannot be split")
+    shapes = [tuple(dst[p].shape) for p in siblings]
+    if concat_shape(shapes, rule.dim, fused) != tuple(src[fused].shape):
+        raise ReshardError(f"{fused!r} has shape {tuple(src[fused].shape)}; its target parts {siblings} do not add up")
+    layout = src[fused].layout
+    offset = sum(_local_size(layout, shape[rule.dim], rule.dim, fused) for shape in shapes[:index])
+    return _move(cache, fused, src[fused], name, spec, rule.dim, offset, 0, shapes[index])
+
+
+def fused_siblings(name: str, rule: FusionRule) -> list[str]:
+    """All part names of the fused parameter that part `name` belongs to, in order."""
+    prefix, _, leaf = split_name(name)
+    return [f"{prefix}{p}.{leaf}" for p in rule.parts]

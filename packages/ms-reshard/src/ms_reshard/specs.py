@@ -1,0 +1,91 @@
+"""Parameter specs of a whole model from Hugging Face names and a ParallelConfig.
+
+The layout of each parameter comes from ``ms_layout.param_placement`` (role from the name, stage
+from the layer index, owner from the expert index). Training with optimizer sharding stores each
+parameter split further along dim 0 over its replicas (MindSpore's optimizer parallel, ZeRO-3
+style storage): ``stored_layout`` adds those axes, the rule of ``ms_layout.optimizer_layout``,
+applied to the placed layout so that it also covers numbered experts, and skipped -- as MindSpore
+does -- when dim 0 does not divide.
+
+Placements are memoised on a representative name (the first layer of the same stage, the first
+expert of the same owner), because the layout depends only on role, stage and owner and each
+``param_placement`` call walks every rank of the job.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+
+from ms_layout import Layout, LayoutError, ParallelConfig, layer_stages, param_placement
+
+from .errors import ReshardError
+from .fusion import FusionRule, fuse_shapes
+from .model_plan import ParamSpec
+
+_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def stored_layout(layout: Layout, shape: Sequence[int]) -> Layout:
+    """`layout` with dim 0 also split over its dp/cp/edp replica axes, when dim 0 divides."""
+    if not shape:
+        return layout
+    extra = tuple(a for a in ("dp", "cp", "edp") if a in layout.replica_axes and layout.axis_size(a) > 1)
+    if not extra or shape[0] % (layout.splits[0] * math.prod(layout.axis_size(a) for a in extra)):
+        return layout
+    dims = (layout.dims[0] + extra, *layout.dims[1:])
+    return Layout(layout.device_matrix, layout.alias_names, dims, layout.rank_list)
+
+
+def _representative(name: str, stages: list[int], num_layers: int, per_owner: int | None) -> str:
+    m = _LAYER.search(name)
+    if m and int(m.group(2)) < num_layers:
+        first = stages.index(stages[int(m.group(2))])
+        name = f"{name[: m.start(2)]}{first}{name[m.end(2) :]}"
+    e = _EXPERT.search(name)
+    if e and per_owner:
+        first = int(e.group(1)) // per_owner * per_owner
+        name = f"{name[: e.start(1)]}{first}{name[e.end(1) :]}"
+    return name
+
+
+def param_specs(
+    shapes: Mapping[str, Sequence[int]],
+    config: ParallelConfig,
+    num_layers: int,
+    num_experts: int | None = None,
+    dtype: str = "float32",
+    optimizer_sharded: bool | None = None,
+    fusions: Sequence[FusionRule] = (),
+    layers_per_chunk: Sequence[int] | None = None,
+) -> dict[str, ParamSpec]:
+    """Specs of HF-named parameters under `config`; `fusions` fuses complete part groups first
+    (an inference side with qkv_proj); `optimizer_sharded` defaults to config.optimizer_shard."""
+    shapes = fuse_shapes(shapes, fusions) if fusions else {k: tuple(v) for k, v in shapes.items()}
+    sharded = config.optimizer_shard if optimizer_sharded is None else optimizer_sharded
+    try:
+        stages = layer_stages(num_layers, config.pp, config.vpp, layers_per_chunk)
+    except LayoutError as exc:
+        raise ReshardError(str(exc)) from None
+    per_owner = num_experts // config.ep if num_experts and num_experts % config.ep == 0 else None
+    placed: dict[tuple[str, int], Layout] = {}
+    stored: dict[tuple[Layout, int], Layout] = {}
+    out = {}
+    for name, shape in shapes.items():
+        key = (_representative(name, stages, num_layers, per_owner), len(shape))
+        layout = placed.get(key)
+        if layout is None:
+            try:
+                layout = param_placement(config, key[0], len(shape), num_layers, num_experts, layers_per_chunk).layout
+            except LayoutError as exc:
+                raise ReshardError(f"parameter {name!r}: {exc}") from None
+            placed[key] = layout
+        if sharded and shape:
+            skey = (layout, shape[0])
+            if skey not in stored:
+                stored[skey] = stored_layout(layout, shape)
+            layout = stored[skey]
+        out[name] = ParamSpec(layout, tuple(shape), dtype)
+    return out

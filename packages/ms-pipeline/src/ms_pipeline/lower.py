@@ -14,6 +14,8 @@ If a step passes in which no rank can move, the schedule deadlocks.
 
 from __future__ import annotations
 
+from collections import Counter
+
 from .deps import needs
 from .errors import ScheduleError
 from .ir import Action, Kind, Schedule
@@ -75,7 +77,7 @@ def _can_run(action: Action, rank: int, schedule: Schedule, done: set, posted: s
         return None
     if action.kind in (Kind.RECV_F, Kind.RECV_B):
         msg = _message(action)
-        return None if msg in posted else f"the matching send {msg[1]}SEND_{msg[0].value}{msg[2]}"
+        return None if posted[msg] > 0 else f"the matching send {msg[1]}SEND_{msg[0].value}{msg[2]}"
     own = {(p.stage, p.kind, p.microbatch) for p in action.computes()}
     for part in action.computes():
         for stage, mb, kinds in needs(part, schedule.num_stages):
@@ -94,7 +96,7 @@ def step_simulate(schedule: Schedule) -> list[list[Action | None]]:
     Raises ScheduleError naming the blocked actions if no rank can move, or a send nobody receives."""
     pos = [0] * schedule.num_ranks
     done: set = set()
-    posted: set = set()
+    posted: Counter = Counter()  # messages sent and not yet received
     received: set = set()
     grid: list[list[Action | None]] = []
     while any(pos[r] < len(schedule.actions[r]) for r in range(schedule.num_ranks)):
@@ -114,13 +116,17 @@ def step_simulate(schedule: Schedule) -> list[list[Action | None]]:
                 new_posts.append(_message(action))
             elif action.kind in (Kind.RECV_F, Kind.RECV_B):
                 received.add((action.kind, action.stage, action.microbatch))
+                posted[_message(action)] -= 1
             for part in action.computes():
                 done.add((part.stage, part.kind, part.microbatch))
         if all(a is None for a in row):
             raise _deadlock(schedule, waits)
         posted.update(new_posts)  # a message is visible from the next step on
         grid.append(row)
-    _check_all_received(schedule, posted, received)
+    lost = sorted((m for m, n in posted.items() if n > 0), key=lambda t: (t[1], t[2], t[0].value))
+    if lost:
+        direction, stage, mb = lost[0]
+        raise ScheduleError(f"{stage}SEND_{direction.value}{mb} is sent but never received ({len(lost)} such sends)")
     return grid
 
 
@@ -132,11 +138,3 @@ def _deadlock(schedule: Schedule, waits: dict) -> ScheduleError:
         lines.append(f"  rank {r} step {step}: {action} waits for {why}")
     marks = {(r, step) for r, (step, _, _) in waits.items()}
     return ScheduleError("\n".join(lines) + "\n" + format_grid(schedule, marks))
-
-
-def _check_all_received(schedule: Schedule, posted: set, received: set) -> None:
-    got = {_message(Action(stage, kind, mb)) for kind, stage, mb in received}
-    lost = sorted(posted - got, key=lambda t: (t[1], t[2], t[0].value))
-    if lost:
-        direction, stage, mb = lost[0]
-        raise ScheduleError(f"{stage}SEND_{direction.value}{mb} is sent but never received ({len(lost)} such sends)")

@@ -1,0 +1,145 @@
+"""The simulator reproduces the published bubble formulas and memory claims.
+
+References: Narayanan et al. 2021 (1F1B), Qi et al. 2024 "Zero Bubble Pipeline Parallelism"
+(ZB-H1, ZB-V), the sail-sg README table, DeepSeek's DualPipe README (1F1B (PP-1)(F+B),
+ZB1P (PP-1)(F+B-2W) with B there the full backward).
+"""
+
+from __future__ import annotations
+
+import ms_pipeline as mp
+import pytest
+from ms_pipeline import CostModel, Event, ScheduleError
+
+GRID = [(p, m) for p in (2, 4, 8) for m in (p, 2 * p, 3 * p, 4 * p)]
+COSTS = [(1.0, 1.0, 1.0), (1.0, 1.0, 0.5), (1.0, 2.0, 1.0), (2.0, 1.0, 0.5), (1.0, 0.9972, 0.6321)]
+
+
+def run(name, p, m, costs=None, **kw):
+    schedule = mp.build(name, p, m, **kw)
+    costs = costs or CostModel()
+    return mp.simulate(schedule, costs.split(schedule.stages_per_rank))
+
+
+@pytest.mark.parametrize("p,m", GRID)
+def test_equal_costs_bubble_rates(p, m):
+    assert run("1f1b", p, m).bubble_rate == pytest.approx((p - 1) / (m + p - 1))
+    assert run("zbh1", p, m).bubble_rate == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert run("gpipe", p, m).bubble_rate == pytest.approx((p - 1) / (m + p - 1))
+    zbv, zbh1 = run("zbv", p, m), run("zbh1", p, m)
+    if m >= 2 * p - 1:
+        # ZeroBubbleV: only the start-up wait of rank i (i chunk forwards of T_F/2) is idle ...
+        assert zbv.makespan == pytest.approx(3 * m + (p - 1) / 2)
+        assert zbv.bubble_rate == pytest.approx((p - 1) / (6 * m + p - 1))
+        # ... which the Zero Bubble authors do not count: their rate is exactly 0 (README table: ZBV 0)
+        assert zbv.bubble_rate_zb == pytest.approx(0.0, abs=1e-12)
+        assert zbv.bubble_rate < zbh1.bubble_rate
+    else:
+        # fewer than 2p-1 microbatches cannot fill the V: the pattern is padded and holes remain;
+        # at m = p it is exactly as fast as ZB-H1, never slower
+        assert zbv.makespan <= zbh1.makespan + 1e-9
+
+
+@pytest.mark.parametrize("f,b,w", COSTS)
+@pytest.mark.parametrize("p,m", [(4, 8), (8, 16), (8, 32)])
+def test_idle_time_per_rank_formulas(f, b, w, p, m):
+    costs = CostModel(f=f, b=b, w=w)
+    work = m * (f + b + w)
+    one = run("1f1b", p, m, costs)
+    assert one.makespan - work == pytest.approx((p - 1) * (f + b + w))  # idle of every rank
+    assert all(busy == pytest.approx(work) for busy in one.busy)
+    zb = run("zbh1", p, m, costs)
+    assert zb.makespan - work == pytest.approx((p - 1) * (f + b - w))  # the paper's T_W <= T_F case
+    assert run("zbv", p, m, costs).makespan < zb.makespan
+
+
+def test_zero_bubble_authors_profile_w_063f():
+    """The authors' measured costs (T_B ~ T_F, T_W = 0.63 T_F, comm 1.6% of T_F): ZBV < ZB-H1 < 1F1B."""
+    profile = CostModel.zb_profile()
+    assert profile.w == pytest.approx(0.632, abs=1e-3) and profile.b == pytest.approx(0.997, abs=1e-3)
+    for p, m in [(4, 8), (8, 24), (8, 32)]:
+        rates = {n: run(n, p, m, profile) for n in ("1f1b", "zbh1", "zbv")}
+        assert rates["zbv"].bubble_rate < rates["zbh1"].bubble_rate < rates["1f1b"].bubble_rate
+        assert rates["zbv"].makespan < rates["zbh1"].makespan < rates["1f1b"].makespan
+        # without comm the ZB-H1 idle is (p-1)(T_F + T_B - T_W) here too
+        no_comm = CostModel(f=1.0, b=profile.b, w=profile.w, mem_b=profile.mem_b, mem_w=profile.mem_w)
+        zb = run("zbh1", p, m, no_comm)
+        assert zb.makespan - m * (1 + profile.b + profile.w) == pytest.approx((p - 1) * (1 + profile.b - profile.w))
+
+
+@pytest.mark.parametrize("p,m", GRID)
+@pytest.mark.parametrize("mem_b", [-0.5, -0.55, 0.0])  # 0: W keeps every activation until it runs
+def test_zbv_activation_memory_is_not_above_1f1b(p, m, mem_b):
+    costs = CostModel(mem_f=1.0, mem_b=mem_b, mem_w=-1.0 - mem_b)
+    one = run("1f1b", p, m, costs)
+    assert max(one.peak_activation) == pytest.approx(min(p, m))  # p microbatches on rank 0
+    for name in ("zbv", "zbh1"):
+        assert max(run(name, p, m, costs).peak_activation) <= max(one.peak_activation) + 1e-9
+    assert max(run("gpipe", p, m, costs).peak_activation) == pytest.approx(m)
+
+
+def test_zbv_memory_is_balanced_across_ranks():
+    peaks = run("zbv", 4, 16).peak_activation
+    assert peaks == pytest.approx((4.0,) * 4)  # 1F1B: 4, 3, 2, 1
+
+
+def test_comm_latency_costs_time_except_at_the_turn_of_the_v():
+    slow = CostModel(comm=0.25)
+    assert run("1f1b", 4, 8, slow).makespan > run("1f1b", 4, 8).makespan
+    # one rank holding both chunks of the V: nothing crosses ranks, latency is irrelevant
+    assert run("zbv", 1, 4, slow).makespan == pytest.approx(run("zbv", 1, 4).makespan)
+
+
+def test_overlapped_pairs_cost_both_halves_unless_overlap_is_modelled():
+    plain = run("zbv", 4, 16)
+    paired = run("zbv", 4, 16, overlap=True)
+    assert paired.makespan >= plain.makespan - 1e-9  # pairing alone only constrains the order
+    hidden = run("zbv", 4, 16, CostModel(overlap=1.0), overlap=True)
+    assert hidden.makespan < plain.makespan  # the pair runs in max(F, B) when fully overlapped
+
+
+def test_timeline_is_consistent():
+    result = run("zbh1", 3, 5)
+    by_rank = {}
+    for e in result.timeline:
+        by_rank.setdefault(e.rank, []).append(e)
+    for events in by_rank.values():
+        for a, b in zip(events, events[1:]):
+            assert a.end <= b.start + 1e-12  # one action at a time, in list order
+    ends = {str(e.action): e.end for e in result.timeline}
+    starts = {str(e.action): e.start for e in result.timeline}
+    assert starts["1F0"] >= ends["0F0"] and starts["0B0"] >= ends["1B0"] and starts["2W4"] >= ends["2B4"]
+    data = result.to_dict(timeline=True)
+    assert set(data) >= {"makespan", "bubble_rate", "peak_activation", "timeline"}
+
+
+def test_bubbles_of_a_hand_timeline():
+    a = mp.Action.parse
+    events = [Event(0, a("0F0"), 0, 1), Event(1, a("1F0"), 1, 2), Event(1, a("1BW0"), 2, 4), Event(0, a("0BW0"), 4, 6)]
+    b = mp.Bubbles.of(events, 2)
+    assert b.makespan == 6 and b.busy == (3, 3)
+    assert b.bubble_rate == pytest.approx(0.5)
+    assert b.bubble_rate_zb == pytest.approx(0.5)  # rank 0 idles 3 of its 6
+
+
+def test_cost_model_checks_and_parsing():
+    assert CostModel.parse("f=2,b=1,w=0.5,comm=0.1") == CostModel(f=2, b=1, w=0.5, comm=0.1)
+    assert CostModel.parse("mem_f=2") == CostModel(mem_f=2, mem_b=-1, mem_w=-1)
+    with pytest.raises(ScheduleError, match="unknown cost 'x'"):
+        CostModel.parse("x=1")
+    with pytest.raises(ScheduleError, match="cost f=abc is not a number|cost f='abc' is not a number"):
+        CostModel.parse("f=abc")
+    with pytest.raises(ScheduleError, match="cost b=-1"):
+        CostModel(b=-1)
+    with pytest.raises(ScheduleError, match="mem_f \\+ mem_b \\+ mem_w = 0.5"):
+        CostModel(mem_f=1, mem_b=-0.5, mem_w=0)
+    with pytest.raises(ScheduleError, match="cost f has 3 values for a schedule of 4 stages"):
+        mp.simulate(mp.one_f_one_b(4, 4), CostModel(f=(1, 1, 1)))
+    with pytest.raises(ScheduleError, match="cannot split per-stage costs"):
+        CostModel(f=(1, 2)).split(2)
+
+
+def test_per_stage_costs_slowest_stage_dominates():
+    uneven = CostModel(f=(1, 1, 2, 1), b=(1, 1, 2, 1), w=(1, 1, 2, 1))
+    result = mp.simulate(mp.one_f_one_b(4, 16), uneven)
+    assert result.makespan >= 16 * 6  # the slow stage runs 16 x (2+2+2)

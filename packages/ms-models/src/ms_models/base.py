@@ -1,0 +1,119 @@
+"""What every causal LM here shares: the two forward paths around a family-specific decoder.
+
+A model is `XForCausalLM` with `.model` (embed_tokens, layers, norm, rotary_emb; HF names) and
+`.lm_head` (None with tied embeddings: the logits then use model.embed_tokens.weight).
+
+- Training: `model(input_ids, positions=None, segment_ids=None)` on [batch, seq] ids returns
+  [batch, seq, vocab] logits; `forward_packed(ids, cu_seqlens)` packs samples into one row with
+  positions restarting per sample and no attention across samples.
+- Inference: `forward_paged(...)` over a flat batch of tokens and a paged KV cache (paged_cache.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mindspore import Tensor, nn, ops
+from mindspore import dtype as mstype
+
+from .errors import ModelError
+from .layers import causal_mask
+from .paged_cache import PagedMetadata, allocate_kv_caches
+
+
+def packed_positions(cu_seqlens) -> tuple[np.ndarray, np.ndarray]:
+    """Positions (restarting at 0 per sample) and segment ids for samples packed back to back.
+
+    cu_seqlens = [0, len0, len0 + len1, ...] as in FlashAttention's varlen API.
+    """
+    cu = np.asarray(cu_seqlens.asnumpy() if isinstance(cu_seqlens, Tensor) else cu_seqlens, np.int64)
+    if cu.ndim != 1 or cu.size < 2 or cu[0] != 0 or np.any(np.diff(cu) <= 0):
+        raise ModelError(f"cu_seqlens {cu.tolist()} must start at 0 and strictly increase")
+    lengths = np.diff(cu)
+    segments = np.repeat(np.arange(len(lengths)), lengths)
+    positions = np.arange(cu[-1]) - cu[:-1][segments]
+    return positions.astype(np.int32), segments.astype(np.int32)
+
+
+class CausalLM(nn.Cell):
+    """Base of LlamaForCausalLM, Qwen2ForCausalLM and DeepseekV3ForCausalLM."""
+
+    config_class = None
+
+    def __init__(self, config, model: nn.Cell, rng=None):
+        super().__init__()
+        from .layers import Linear
+
+        self.config = config
+        self.model = model
+        self.tied = bool(config.tie_word_embeddings)
+        self.lm_head = (
+            None if self.tied else Linear(config.hidden_size, config.vocab_size, False, config.initializer_range, rng)
+        )
+
+    def compute_logits(self, hidden):
+        """hidden [..., hidden_size] -> logits [..., vocab_size]."""
+        if self.tied:
+            return ops.matmul(hidden, self.model.embed_tokens.weight.T)
+        return self.lm_head(hidden)
+
+    def construct(self, input_ids, positions=None, segment_ids=None):
+        """Training forward: [B, S] ids (positions default 0..S-1; segment_ids for packed rows) -> [B, S, V]."""
+        if positions is None:
+            seq = input_ids.shape[-1]
+            positions = ops.broadcast_to(ops.arange(0, seq, 1, dtype=mstype.int32).expand_dims(0), input_ids.shape)
+        hidden = self.model(input_ids, positions, causal_mask(positions, segment_ids))
+        return self.compute_logits(hidden)
+
+    def forward_packed(self, input_ids, cu_seqlens):
+        """Samples packed in one row: ids [T] or [1, T] and cu_seqlens [n + 1] -> logits [1, T, V]."""
+        ids = input_ids if isinstance(input_ids, Tensor) else Tensor(np.asarray(input_ids, np.int32))
+        ids = ids.reshape(1, -1)
+        positions, segments = packed_positions(cu_seqlens)
+        if positions.shape[0] != ids.shape[1]:
+            raise ModelError(f"cu_seqlens cover {positions.shape[0]} tokens but input_ids has {ids.shape[1]}")
+        return self(ids, Tensor(positions[None]), Tensor(segments[None]))
+
+    # ------------------------------------------------------------------ paged inference
+    def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[tuple[int, ...], ...]]:
+        """Per layer, the shapes of its cache tensors (see allocate_kv_caches)."""
+        return [layer.self_attn.cache_shapes(num_blocks, block_size) for layer in self.model.layers]
+
+    def allocate_kv_caches(self, num_blocks: int, block_size: int, dtype=mstype.float32) -> list:
+        """Zeroed paged caches for every layer."""
+        return allocate_kv_caches(self, num_blocks, block_size, dtype)
+
+    def forward_paged(
+        self,
+        input_ids,
+        positions,
+        kv_caches,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        logits_indices=None,
+    ):
+        """Inference over a flat token batch mixing prefills and decodes (vLLM's layout).
+
+        input_ids, positions, slot_mapping: [T]; block_tables [N, max_blocks]; seq_lens [N] (context
+        length including this step's tokens); query_start_loc [N + 1]. kv_caches (from
+        allocate_kv_caches) are written in place. Returns logits [T, V], or only the rows in
+        `logits_indices` (for example each sequence's last token).
+        """
+        if len(kv_caches) != len(self.model.layers):
+            raise ModelError(f"{len(kv_caches)} kv caches for {len(self.model.layers)} layers")
+        first = kv_caches[0][0] if isinstance(kv_caches[0], (tuple, list)) else kv_caches[0]
+        meta = PagedMetadata.build(positions, slot_mapping, block_tables, seq_lens, query_start_loc, first.shape[1])
+        ids = input_ids if isinstance(input_ids, Tensor) else Tensor(np.asarray(input_ids, np.int32))
+        pos = positions if isinstance(positions, Tensor) else Tensor(np.asarray(positions, np.int32))
+        hidden = self.model.forward_paged(ids.astype(mstype.int32), pos.astype(mstype.int32), kv_caches, meta)
+        if logits_indices is not None:
+            rows = logits_indices
+            if not isinstance(rows, Tensor):
+                rows = Tensor(np.asarray(rows, np.int32))
+            hidden = hidden[rows]
+        return self.compute_logits(hidden)
+
+    def num_params(self) -> int:
+        """Number of parameter elements."""
+        return sum(int(np.prod(p.shape)) for p in self.get_parameters())

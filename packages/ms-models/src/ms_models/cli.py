@@ -1,0 +1,63 @@
+"""Console script `ms-models`: make-tiny, info."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import ModelError
+
+
+def _make_tiny(args: argparse.Namespace) -> dict:
+    from .tiny import make_tiny
+
+    path = make_tiny(args.arch, args.path, seed=args.seed)
+    return {"arch": args.arch, "path": path, "seed": args.seed}
+
+
+def _info(args: argparse.Namespace) -> dict:
+    from .config import load_config
+    from .io import read_safetensors
+
+    config = load_config(args.path)
+    tensors = read_safetensors(args.path)
+    return {
+        "model_type": config.model_type,
+        "num_tensors": len(tensors),
+        "num_params": int(sum(t.size for t in tensors.values())),
+        "config": config.to_dict(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="ms-models", description="Reference MindSpore decoder models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    tiny = sub.add_parser("make-tiny", help="write a tiny random HF checkpoint with a tokenizer")
+    tiny.add_argument("arch", choices=["llama", "qwen2", "deepseek_v3"])
+    tiny.add_argument("path")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--json", action="store_true", help="print the result as JSON")
+    tiny.set_defaults(func=_make_tiny)
+    info = sub.add_parser("info", help="describe an HF checkpoint directory")
+    info.add_argument("path")
+    info.add_argument("--json", action="store_true", help="print the result as JSON")
+    info.set_defaults(func=_info)
+    args = parser.parse_args(argv)
+    try:
+        result = args.func(args)
+    except ModelError as exc:
+        print(f"ms-models: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=True))
+    else:
+        for key, value in result.items():
+            if key != "config":
+                print(f"{key}: {value}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""DeepSeekMoE: shared experts plus routed experts with DeepSeek-V3's auxiliary-loss-free gate.
+
+Routing (DeepSeek-V3 report sec. 2.1.2, "noaux_tc" in its config):
+1. s = sigmoid(x Wg^T); the selection score is s + e_score_correction_bias (the bias steers
+   load balance and is never part of the output weights);
+2. experts form n_group groups; a group's score is the sum of its top-2 selection scores, and
+   only the best topk_group groups stay eligible;
+3. top num_experts_per_tok experts by selection score among the eligible ones;
+4. weights = s at those experts, normalised to sum 1 (norm_topk_prob), times routed_scaling_factor.
+
+Routed experts are stored stacked, [E, out, in] (io.py maps them to per-expert checkpoint names).
+Two ways to run them: "dense" evaluates every expert for every token and weights the results
+(static shapes, so it compiles under mindspore.jit and suits tiny expert counts), "dispatch" runs
+each expert only on the tokens routed to it (PyNative; the cost grows with top-k, not with E).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore import dtype as mstype
+
+from .errors import ModelError
+from .layers import MLP, NEG_INF, init_normal
+
+
+class TopkRouter(nn.Cell):
+    """The gate: `weight` [E, H] and the selection-only `e_score_correction_bias` [E] (not trained)."""
+
+    def __init__(self, config, rng=None):
+        super().__init__()
+        c = config
+        self.num_experts, self.top_k = c.n_routed_experts, c.num_experts_per_tok
+        self.n_group, self.topk_group = c.n_group, c.topk_group
+        self.norm_topk_prob, self.scaling = c.norm_topk_prob, float(c.routed_scaling_factor)
+        weight = init_normal((c.n_routed_experts, c.hidden_size), c.initializer_range, rng)
+        self.weight = Parameter(weight, name="weight")
+        self.e_score_correction_bias = Parameter(
+            Tensor(np.zeros(c.n_routed_experts, np.float32)), name="e_score_correction_bias", requires_grad=False
+        )
+
+    def construct(self, x):
+        """x [M, H] -> (weights [M, k], expert indices [M, k])."""
+        m = x.shape[0]
+        scores = ops.sigmoid(ops.matmul(x.astype(mstype.float32), self.weight.astype(mstype.float32).T))
+        choice = scores + self.e_score_correction_bias
+        per_group = self.num_experts // self.n_group
+        grouped = choice.reshape(m, self.n_group, per_group)
+        group_scores = ops.topk(grouped, 2)[0].sum(-1)  # [M, G]
+        best_groups = ops.topk(group_scores, self.topk_group)[1]  # [M, topk_group]
+        group_ids = ops.arange(0, self.n_group, 1, dtype=best_groups.dtype)
+        keep = (best_groups.expand_dims(-1) == group_ids).astype(mstype.float32).sum(1) > 0.5  # [M, G]
+        keep = ops.broadcast_to(keep.expand_dims(-1), (m, self.n_group, per_group)).reshape(m, self.num_experts)
+        choice = ops.where(keep, choice, ops.full_like(choice, NEG_INF))
+        indices = ops.topk(choice, self.top_k)[1]
+        weights = ops.gather_elements(scores, 1, indices)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+        return weights * self.scaling, indices
+
+
+class Experts(nn.Cell):
+    """Routed SwiGLU experts, stacked: gate_proj/up_proj [E, I, H], down_proj [E, H, I]."""
+
+    def __init__(self, config, rng=None):
+        super().__init__()
+        c = config
+        e, i, h, std = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size, c.initializer_range
+        self.num_experts = e
+        self.gate_proj = Parameter(init_normal((e, i, h), std, rng), name="gate_proj")
+        self.up_proj = Parameter(init_normal((e, i, h), std, rng), name="up_proj")
+        self.down_proj = Parameter(init_normal((e, h, i), std, rng), name="down_proj")
+
+    def dense(self, x, weights, indices):
+        """Every expert on every token, combined with the routing weights (jit-friendly)."""
+        combine = (
+            ops.one_hot(indices, self.num_experts, Tensor(1.0, mstype.float32), Tensor(0.0, mstype.float32))
+            * weights.expand_dims(-1)
+        ).sum(1)  # [M, E]
+        xe = x.expand_dims(0)  # [1, M, H]
+        gate = ops.matmul(xe, self.gate_proj.transpose(0, 2, 1))
+        h = ops.silu(gate) * ops.matmul(xe, self.up_proj.transpose(0, 2, 1))
+        y = ops.matmul(h, self.down_proj.transpose(0, 2, 1))  # [E, M, H]
+        return (combine.T.expand_dims(-1).astype(y.dtype) * y).sum(0)
+
+    def dispatch(self, x, weights, indices):
+        """Each expert on its routed tokens only (PyNative: the token lists are data dependent)."""
+        chosen = indices.asnumpy()
+        out = ops.zeros_like(x)
+        for e in np.unique(chosen):
+            rows, slot = np.nonzero(chosen == e)
+            rows_t = Tensor(rows.astype(np.int32))
+            xe = x[rows_t]
+            h = ops.silu(ops.matmul(xe, self.gate_proj[int(e)].T)) * ops.matmul(xe, self.up_proj[int(e)].T)
+            y = ops.matmul(h, self.down_proj[int(e)].T) * weights[rows_t, Tensor(slot.astype(np.int32))].expand_dims(-1)
+            out = ops.tensor_scatter_add(out, rows_t.expand_dims(-1), y.astype(out.dtype))
+        return out
+
+
+class MoE(nn.Cell):
+    """DeepSeekMoE layer (HF names: gate, experts, shared_experts)."""
+
+    IMPLS = ("dense", "dispatch")
+
+    def __init__(self, config, rng=None, impl: str = "dense"):
+        super().__init__()
+        c = config
+        self.gate = TopkRouter(c, rng)
+        self.experts = Experts(c, rng)
+        self.shared_experts = (
+            MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, False, c.initializer_range, rng)
+            if c.n_shared_experts
+            else None
+        )
+        self.impl = "dense"
+        self.set_impl(impl)
+
+    def set_impl(self, impl: str) -> None:
+        """Choose how routed experts run: "dense" (jit-friendly) or "dispatch" (PyNative, sparse)."""
+        if impl not in self.IMPLS:
+            raise ModelError(f"MoE impl {impl!r}; expected one of {self.IMPLS}")
+        self.impl = impl
+
+    def construct(self, x):
+        """x [..., H] -> [..., H]."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, indices = self.gate(flat)
+        if self.impl == "dispatch":
+            routed = self.experts.dispatch(flat, weights, indices)
+        else:
+            routed = self.experts.dense(flat, weights, indices)
+        out = routed.reshape(shape)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

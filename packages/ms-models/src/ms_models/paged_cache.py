@@ -1,0 +1,140 @@
+"""Paged KV cache: vLLM-style block tables and slot mappings, in MindSpore tensors.
+
+A cache tensor is [num_blocks, block_size, ...]; token j of a sequence lives in block
+`block_table[j // block_size]` at offset `j % block_size`, i.e. flat slot
+`block * block_size + offset`. One forward call takes a flat batch of T new tokens from N
+sequences (prefill chunks and single decode tokens mixed, vLLM's `query_start_loc` layout) and:
+
+1. writes each token's key/value (or MLA latent) at its `slot_mapping` entry (-1: padding, skipped);
+2. gathers every sequence's context (its first `seq_lens[s]` tokens) through its block table;
+3. lets token t attend to context positions <= positions[t].
+
+The index bookkeeping is the same for every layer, so it is done once per call in numpy
+(`PagedMetadata.build`). Writes use index assignment, which updates the tensor in place in
+PyNative mode on CPU (MindSpore's in-place arithmetic such as `add_` does not; see
+shared/reference/mindspore_cpu.md). Under `mindspore.jit` the writes would not persist, so this
+path runs in PyNative; the per-layer math is plain ops and can be compiled by a caller that owns
+the cache as Parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from mindspore import Tensor
+from mindspore import dtype as mstype
+
+from .errors import ModelError
+
+
+def _np(x, dtype=np.int64) -> np.ndarray:
+    if isinstance(x, Tensor):
+        x = x.asnumpy()
+    return np.asarray(x, dtype=dtype)
+
+
+@dataclass
+class PagedMetadata:
+    """Index tensors shared by all layers of one paged forward call."""
+
+    block_size: int
+    """Tokens per cache block."""
+    write_blocks: Tensor
+    """[W] block of each token written (tokens with slot -1 are left out)."""
+    write_offsets: Tensor
+    """[W] offset in its block of each token written."""
+    write_rows: Tensor
+    """[W] row in the flat token batch of each token written."""
+    context_slots: Tensor
+    """[N, C] flat cache slot of context position j of sequence s (0 past the sequence's end)."""
+    query_rows: Tensor
+    """[N, Q] flat-batch row of query i of sequence s (0 for padding), Q = longest query."""
+    padded_rows: Tensor
+    """[T] index into the flattened [N * Q] padded queries of each flat-batch token."""
+    allowed: Tensor
+    """[N, 1, Q, C] bool: query i of sequence s may attend context position j."""
+
+    @classmethod
+    def build(cls, positions, slot_mapping, block_tables, seq_lens, query_start_loc, block_size: int) -> PagedMetadata:
+        """Check the vLLM-style inputs and derive the index tensors."""
+        positions, slots = _np(positions), _np(slot_mapping)
+        tables, lens, starts = _np(block_tables), _np(seq_lens), _np(query_start_loc)
+        t, n = positions.shape[0], lens.shape[0]
+        if tables.ndim != 2 or tables.shape[0] != n or starts.shape != (n + 1,):
+            raise ModelError(
+                f"block_tables {tables.shape}, seq_lens {lens.shape}, query_start_loc {starts.shape} disagree: "
+                "expected [N, max_blocks], [N], [N + 1]"
+            )
+        if slots.shape != (t,) or starts[0] != 0 or starts[-1] > t or np.any(np.diff(starts) < 0):
+            raise ModelError(
+                f"slot_mapping {slots.shape} / query_start_loc {starts.tolist()} do not describe {t} tokens"
+            )
+        q_lens = np.diff(starts)
+        if np.any(q_lens > lens):
+            raise ModelError(
+                f"a query is longer than its sequence: query lens {q_lens.tolist()}, seq_lens {lens.tolist()}"
+            )
+        if np.any(lens > tables.shape[1] * block_size):
+            raise ModelError(f"seq_lens {lens.tolist()} exceed block_tables capacity {tables.shape[1]} x {block_size}")
+        q_max, c_max = max(int(q_lens.max(initial=1)), 1), max(int(lens.max(initial=1)), 1)
+
+        j = np.arange(c_max)
+        ctx_valid = j[None, :] < lens[:, None]
+        blocks = np.take_along_axis(tables, np.minimum(j // block_size, tables.shape[1] - 1)[None].repeat(n, 0), 1)
+        context_slots = np.where(ctx_valid, blocks * block_size + j % block_size, 0)
+
+        i = np.arange(q_max)
+        q_valid = i[None, :] < q_lens[:, None]
+        query_rows = np.where(q_valid, starts[:-1, None] + i[None, :], 0)
+        q_pos = positions[np.minimum(query_rows, max(t - 1, 0))] if t else np.zeros_like(query_rows)
+        allowed = q_valid[:, :, None] & ctx_valid[:, None, :] & (j[None, None, :] <= q_pos[:, :, None])
+
+        seq_of = np.repeat(np.arange(n), q_lens)
+        padded_rows = seq_of * q_max + (np.arange(len(seq_of)) - starts[seq_of])
+        if len(seq_of) != t:  # trailing padding tokens (vLLM pads batches): point them at any row
+            padded_rows = np.concatenate([padded_rows, np.zeros(t - len(seq_of), np.int64)])
+        keep = slots >= 0
+        return cls(
+            block_size=block_size,
+            write_blocks=Tensor((slots[keep] // block_size).astype(np.int32)),
+            write_offsets=Tensor((slots[keep] % block_size).astype(np.int32)),
+            write_rows=Tensor(np.nonzero(keep)[0].astype(np.int32)),
+            context_slots=Tensor(context_slots.astype(np.int32)),
+            query_rows=Tensor(query_rows.astype(np.int32)),
+            padded_rows=Tensor(padded_rows.astype(np.int32)),
+            allowed=Tensor(allowed[:, None]),
+        )
+
+
+def write_cache(cache: Tensor, values: Tensor, meta: PagedMetadata) -> None:
+    """cache[block, offset] = values[row] for every written token, in place."""
+    if meta.write_rows.shape[0]:
+        cache[meta.write_blocks, meta.write_offsets] = values[meta.write_rows].astype(cache.dtype)
+
+
+def gather_context(cache: Tensor, meta: PagedMetadata) -> Tensor:
+    """[N, C, ...]: each sequence's cached entries in order, through its block table."""
+    flat = cache.reshape(cache.shape[0] * cache.shape[1], *cache.shape[2:])
+    return flat[meta.context_slots]
+
+
+def to_padded(x: Tensor, meta: PagedMetadata) -> Tensor:
+    """Flat-batch rows [T, ...] -> [N, Q, ...] padded per sequence."""
+    return x[meta.query_rows]
+
+
+def from_padded(x: Tensor, meta: PagedMetadata) -> Tensor:
+    """[N, Q, ...] -> flat-batch rows [T, ...]."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])[meta.padded_rows]
+
+
+def allocate_kv_caches(model, num_blocks: int, block_size: int, dtype=mstype.float32) -> list:
+    """Zeroed caches for every attention layer of `model` (the shapes come from model.kv_cache_shapes)."""
+    if num_blocks <= 0 or block_size <= 0:
+        raise ModelError(f"num_blocks={num_blocks}, block_size={block_size}; both must be positive")
+    out = []
+    for shapes in model.kv_cache_shapes(num_blocks, block_size):
+        tensors = tuple(Tensor(np.zeros(s, np.float32)).astype(dtype) for s in shapes)
+        out.append(tensors if len(tensors) > 1 else tensors[0])
+    return out

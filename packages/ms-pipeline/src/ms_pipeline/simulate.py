@@ -141,20 +141,26 @@ class CostModel:
         )
 
     @classmethod
-    def parse(cls, text: str) -> CostModel:
-        """From ``"f=1,b=1,w=0.63,comm=0"`` (any field; memory fields too)."""
-        values = {}
-        names = {f.name for f in fields(cls)}
+    def parse(cls, text: str, base: CostModel | None = None) -> CostModel:
+        """From ``"f=1,b=1,w=0.63,comm=0"``: the named fields replace those of ``base`` (the
+        defaults if None). A lone ``mem_f`` rescales base's ``mem_b``/``mem_w`` to keep the sum 0."""
+        base = base or cls()
+        names = [f.name for f in fields(cls)]
+        values = {name: getattr(base, name) for name in names}
+        given = {}
         for item in filter(None, (t.strip() for t in text.split(","))):
             key, _, raw = item.partition("=")
+            key = key.strip()
             if key not in names:
-                raise ScheduleError(f"unknown cost {key!r} in {text!r}; known: {', '.join(sorted(names))}")
+                raise ScheduleError(f"unknown cost {key!r} in {text!r}; known: {', '.join(names)}")
             try:
-                values[key] = float(raw)
+                given[key] = float(raw)
             except ValueError:
-                raise ScheduleError(f"cost {key}={raw!r} is not a number") from None
-        if "mem_f" in values and "mem_b" not in values and "mem_w" not in values:
-            values["mem_b"] = values["mem_w"] = -values["mem_f"] / 2
+                raise ScheduleError(f"cost {key}={raw.strip()!r} is not a number") from None
+        if "mem_f" in given and "mem_b" not in given and "mem_w" not in given:
+            scale = given["mem_f"] / float(base.mem_f) if base.mem_f else 0.0
+            values["mem_b"], values["mem_w"] = float(base.mem_b) * scale, float(base.mem_w) * scale
+        values.update(given)
         return cls(**values)
 
 

@@ -75,7 +75,7 @@ def _install_package(session: nox.Session, package: str, extra: str) -> None:
 
 
 @nox.session
-@nox.parametrize("variant", _variants())
+@nox.parametrize("variant", _variants(), ids=_variants())
 def tests(session: nox.Session, variant: str) -> None:
     """Unit tests of one package in an environment of its own (`-core`: without torch/MindSpore)."""
     core = variant.endswith("-core")

@@ -79,6 +79,16 @@ def test_pp2_tp2_to_tp2_on_two_of_the_ranks():
     assert per_rank[2]["sent"] > 0
 
 
+def test_fused_to_fused_with_another_tp_goes_part_by_part():
+    shapes = llama_shapes()
+    weights = random_weights(shapes, seed=4)
+    train = param_specs(shapes, ParallelConfig(tp=4), num_layers=2, fusions=DEFAULT_FUSIONS)
+    infer = param_specs(shapes, ParallelConfig(tp=2, dp=2), num_layers=2, fusions=DEFAULT_FUSIONS)
+    assert train["model.layers.0.self_attn.qkv_proj.weight"].parts == (16, 8, 8)
+    mp = _check(train, infer, weights)
+    assert sum(m.dst_name.endswith("qkv_proj.weight") for m in mp.moves) == 2 * 3
+
+
 def test_a_fusion_rule_is_data():
     rules = rules_from_data([{"fused": "kv_proj", "parts": ["k_proj", "v_proj"], "dim": 0}])
     shapes = llama_shapes(1)

@@ -103,24 +103,26 @@ def part_names(name: str, rules: Sequence[FusionRule]) -> tuple[list[str], Fusio
     return None
 
 
-def fuse_shapes(shapes: Mapping[str, Sequence[int]], rules: Sequence[FusionRule]) -> dict[str, tuple[int, ...]]:
-    """The parameter shapes after fusing every complete group of parts (a lone part stays as is)."""
-    out: dict[str, tuple[int, ...]] = {}
+def fuse_shapes(
+    shapes: Mapping[str, Sequence[int]], rules: Sequence[FusionRule]
+) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """{name: (shape, part sizes, part dim)} after fusing every complete group of parts; names that
+    are not fused (a lone part included) get part sizes ()."""
+    out: dict[str, tuple[tuple[int, ...], tuple[int, ...], int]] = {}
     groups: dict[str, dict[int, str]] = {}
-    rule_of: dict[str, FusionRule] = {}
     for name in shapes:
         hit = fused_name(name, rules)
         if hit:
             groups.setdefault(hit[0], {})[hit[2]] = name
-            rule_of[hit[0]] = hit[1]
     for name, shape in shapes.items():
         hit = fused_name(name, rules)
         if hit is None or len(groups[hit[0]]) < len(hit[1].parts):
-            out[name] = tuple(shape)
+            out[name] = (tuple(shape), (), 0)
         elif hit[2] == 0:
-            rule = rule_of[hit[0]]
+            rule = hit[1]
             parts = [tuple(shapes[groups[hit[0]][i]]) for i in range(len(rule.parts))]
-            out[hit[0]] = concat_shape(parts, rule.dim, hit[0])
+            sizes = tuple(p[rule.dim] if rule.dim < len(p) else 0 for p in parts)
+            out[hit[0]] = (concat_shape(parts, rule.dim, hit[0]), sizes, rule.dim)
     return out
 
 

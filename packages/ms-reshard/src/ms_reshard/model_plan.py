@@ -44,6 +44,11 @@ class ParamSpec:
     """Its global shape."""
     dtype: str = "float32"
     """Its dtype name (the executors cast to the target's dtype on arrival)."""
+    parts: tuple[int, ...] = ()
+    """For a fused parameter: the size of each part along `part_dim` (each rank holds its shard of
+    every part, side by side), so that it can be resharded part by part; () when not fused."""
+    part_dim: int = 0
+    """The dim the parts of a fused parameter are stacked along."""
 
 
 @dataclass(frozen=True)
@@ -179,7 +184,7 @@ def model_plan(
     for name in sorted(dst):
         spec = dst[name]
         if name in src:
-            moves.append(_move(cache, name, src[name], name, spec))
+            moves += _same_name(cache, name, src[name], spec)
             used.add(name)
         elif (split := part_names(name, fusions)) and all(p in src for p in split[0]):
             moves += _gather_parts(cache, name, spec, split[0], split[1], src)
@@ -193,6 +198,27 @@ def model_plan(
     if unused and not allow_unused:
         raise ReshardError(f"{len(unused)} source parameters have no target, e.g. {list(unused[:5])}")
     return ModelPlan(dict(src), dict(dst), tuple(moves), unused)
+
+
+def _same_name(cache, name: str, s: ParamSpec, d: ParamSpec) -> list[PartMove]:
+    """A parameter with one name on both sides; a fused one moves part by part, because each rank's
+    shard interleaves the parts and a plain reshard of the fused tensor would mix them."""
+    parts, dim = d.parts or s.parts, d.part_dim if d.parts else s.part_dim
+    if not parts:
+        return [_move(cache, name, s, name, d)]
+    if (s.parts and s.parts != parts) or (s.parts and d.parts and s.part_dim != d.part_dim):
+        raise ReshardError(f"fused {name!r} has parts {list(s.parts)} in the source but {list(d.parts)} in the target")
+    if tuple(s.shape) != tuple(d.shape) or sum(parts) != d.shape[dim]:
+        raise ReshardError(
+            f"fused {name!r}: shapes {tuple(s.shape)} -> {tuple(d.shape)} do not fit parts {list(parts)}"
+        )
+    out, s_off, d_off = [], 0, 0
+    for size in parts:
+        shape = tuple(size if i == dim else n for i, n in enumerate(d.shape))
+        out.append(_move(cache, name, s, name, d, dim, s_off, d_off, shape))
+        s_off += _local_size(s.layout, size, dim, name)
+        d_off += _local_size(d.layout, size, dim, name)
+    return out
 
 
 def _move(cache, src_name, s: ParamSpec, dst_name, d: ParamSpec, dim=0, s_off=0, d_off=0, shape=None) -> PartMove:
@@ -225,10 +251,15 @@ def _from_fused(cache, name, spec: ParamSpec, fused: str, rule: FusionRule, inde
     # The part's offset inside the fused source shard is the sum of the local sizes of the parts
     # before it, so every part must be a target too: their shapes are what splits the fused tensor.
     siblings = fused_siblings(name, rule)
-    missing = [p for p in siblings if p not in dst]
-    if missing:
-        raise ReshardError(f"{fused!r} is fused from {siblings}; the target lacks {missing}, so it cannot be split")
-    shapes = [tuple(dst[p].shape) for p in siblings]
+    fused_shape = tuple(src[fused].shape)
+    if src[fused].parts:
+        sizes = src[fused].parts
+        shapes = [tuple(n if i == rule.dim else m for i, m in enumerate(fused_shape)) for n in sizes]
+    else:
+        missing = [p for p in siblings if p not in dst]
+        if missing:
+            raise ReshardError(f"{fused!r} is fused from {siblings}; the target lacks {missing}, so it cannot be split")
+        shapes = [tuple(dst[p].shape) for p in siblings]
     if concat_shape(shapes, rule.dim, fused) != tuple(src[fused].shape):
         raise ReshardError(f"{fused!r} has shape {tuple(src[fused].shape)}; its target parts {siblings} do not add up")
     layout = src[fused].layout

@@ -209,6 +209,23 @@ class TensorPlan:
         """The ordered ops of one global rank (empty if the plan does not touch it)."""
         return self.ops_by_rank().get(int(rank), [])
 
+    def sources_by_rank(self) -> dict[int, list[tuple[int, Box]]]:
+        """For every target rank, (source rank, global box) of every piece of its target shard,
+        whichever op brings it (a copy's source is the rank itself). Offline readers use this."""
+        ranks = self.ranks
+        out: dict[int, list[tuple[int, Box]]] = {int(r): [] for r in self.dst.ranks}
+        for cid, box in zip(self.copy_id, self.copy_box):
+            out[int(ranks[cid])].append((int(ranks[cid]), box_tuple(box)))
+        for s, d, box in zip(self.xfer_src, self.xfer_dst, self.xfer_box):
+            out[int(ranks[d])].append((int(ranks[s]), box_tuple(box)))
+        for col in self.collectives:
+            for i, s in enumerate(col.members):
+                for j, d in enumerate(col.members):
+                    if i != j:
+                        box = col.boxes[i] if col.kind is OpKind.ALL_GATHER else col.boxes[i, j]
+                        out[int(ranks[d])].append((int(ranks[s]), box_tuple(box)))
+        return out
+
     def iter_collective_groups(self) -> Iterator[tuple[int, ...]]:
         """Global ranks of every collective's group, in plan order."""
         for col in self.collectives:

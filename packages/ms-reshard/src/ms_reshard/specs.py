@@ -63,7 +63,7 @@ def param_specs(
 ) -> dict[str, ParamSpec]:
     """Specs of HF-named parameters under `config`; `fusions` fuses complete part groups first
     (an inference side with qkv_proj); `optimizer_sharded` defaults to config.optimizer_shard."""
-    shapes = fuse_shapes(shapes, fusions) if fusions else {k: tuple(v) for k, v in shapes.items()}
+    fused = fuse_shapes(shapes, fusions)
     sharded = config.optimizer_shard if optimizer_sharded is None else optimizer_sharded
     try:
         stages = layer_stages(num_layers, config.pp, config.vpp, layers_per_chunk)
@@ -73,7 +73,7 @@ def param_specs(
     placed: dict[tuple[str, int], Layout] = {}
     stored: dict[tuple[Layout, int], Layout] = {}
     out = {}
-    for name, shape in shapes.items():
+    for name, (shape, parts, part_dim) in fused.items():
         key = (_representative(name, stages, num_layers, per_owner), len(shape))
         layout = placed.get(key)
         if layout is None:
@@ -87,5 +87,5 @@ def param_specs(
             if skey not in stored:
                 stored[skey] = stored_layout(layout, shape)
             layout = stored[skey]
-        out[name] = ParamSpec(layout, tuple(shape), dtype)
+        out[name] = ParamSpec(layout, tuple(shape), dtype, parts, part_dim)
     return out

@@ -1,0 +1,239 @@
+"""The ``ms-monitor`` console script: ``daemon``, ``status``, ``trace``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from .detect import DetectorConfig
+from .errors import MonitorError
+
+URL_ENV = "MS_MONITOR_URL"
+DEFAULT_URL = "http://127.0.0.1:7780"
+
+
+def parse_ranks(text: str) -> list[int]:
+    """``"0-3,6"`` -> [0, 1, 2, 3, 6]."""
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise MonitorError(f"--ranks {text!r}: {part!r} is not N or N-M")
+        a, b = int(lo), int(hi) if sep else int(lo)
+        if b < a:
+            raise MonitorError(f"--ranks {text!r}: {part!r} is an empty range")
+        out += range(a, b + 1)
+    return sorted(set(out))
+
+
+def _request(url: str, body: dict | None = None, token: str | None = None, timeout: float = 15.0) -> Any:
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers=headers, method="POST" if body is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")
+        try:
+            detail = json.loads(detail).get("error", detail)
+        except ValueError:
+            pass
+        raise MonitorError(f"{url}: HTTP {exc.code}: {detail}") from None
+    except urllib.error.URLError as exc:
+        raise MonitorError(f"cannot reach the daemon at {url}: {exc.reason}") from None
+
+
+def cmd_daemon(args: argparse.Namespace) -> int:
+    from .daemon import Daemon, DaemonConfig
+
+    detector = DetectorConfig(
+        slow_ratio=args.slow_ratio,
+        slow_steps=args.slow_steps,
+        regress_ratio=args.regress_ratio,
+        jitter_cv=args.jitter_cv,
+    )
+    cfg = DaemonConfig(
+        host=args.host,
+        port=None if args.port < 0 else args.port,
+        unix=args.unix,
+        http_host=args.http_host,
+        http_port=None if args.http_port < 0 else args.http_port,
+        token=args.token or os.environ.get("MS_MONITOR_TOKEN"),
+        forward=args.forward,
+        jsonl=args.jsonl,
+        tensorboard=args.tensorboard,
+        window=args.window,
+        detector=detector,
+        **({"trace_dir": args.trace_dir} if args.trace_dir else {}),
+    )
+    daemon = Daemon(cfg)
+
+    async def main() -> None:
+        await daemon.start()
+        ready = {"agents": daemon.agent_addrs, "http": daemon.http_url, "pid": os.getpid()}
+        print(
+            json.dumps(ready)
+            if args.json
+            else f"ms-monitor daemon: agents {daemon.agent_addrs}, http {daemon.http_url}",
+            flush=True,
+        )
+        if args.ready_file:
+            tmp = args.ready_file + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(ready, f)
+            os.replace(tmp, args.ready_file)
+        assert daemon._stopped is not None
+        await daemon._stopped.wait()
+
+    import asyncio
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    status = _request(args.url.rstrip("/") + "/api/status")
+    if args.json:
+        print(json.dumps({k: status[k] for k in ("ranks", "alerts", "active_alerts", "received", "traces")}, indent=1))
+        return 0
+    print(f"{len(status['ranks'])} ranks, {status['received']} samples received")
+    print(f"{'rank':>5} {'role':>6} {'host':>14} {'last step':>10} {'step ms':>9} {'median ms':>10} {'dropped':>8}")
+    for r in status["ranks"]:
+        st = r.get("step_time")
+        med = r.get("step_time_median")
+        print(
+            f"{r['rank']:>5} {r['role']:>6} {r['host'][:14]:>14} {r['last_step']:>10} "
+            f"{'-' if st is None else f'{st * 1e3:.1f}':>9} {'-' if med is None else f'{med * 1e3:.1f}':>10} "
+            f"{r['agent_dropped']:>8}"
+        )
+    active = status["active_alerts"]
+    print(f"{len(active)} active alerts" + (":" if active else ""))
+    for a in active:
+        print(f"  {a['kind']:<11} rank {a['rank']} since step {a['step']}: {a['message']}")
+    return 0
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    base = args.url.rstrip("/")
+    req = {
+        "ranks": parse_ranks(args.ranks) if args.ranks else None,
+        "steps": args.steps,
+        "start_step": args.start_step,
+        "profiler": not args.no_profiler,
+        "analyse": args.analyse,
+        "timeout": args.timeout,
+    }
+    job = _request(base + "/api/trace", req, token=args.token or os.environ.get("MS_MONITOR_TOKEN"))
+    if not args.json:
+        print(
+            f"trace {job['id']}: steps {job['start_step']}..{job['start_step'] + job['steps'] - 1} "
+            f"on ranks {job['expected']}"
+            + (f", MindSpore dyno ranks {job['dyno_ranks']}" if job["dyno_ranks"] else ""),
+            file=sys.stderr,
+        )
+    deadline = time.monotonic() + args.timeout + 30
+    while job["state"] == "running":
+        if time.monotonic() > deadline:
+            raise MonitorError(f"trace {job['id']} still running after {args.timeout + 30:.0f} s")
+        time.sleep(0.5)
+        job = _request(f"{base}/api/trace/{job['id']}")
+    if job["state"] != "done":
+        raise MonitorError(f"trace {job['id']} {job['state']}: {job['errors']}")
+    if args.out:
+        req_ = urllib.request.Request(f"{base}/api/trace/{job['id']}/merged")
+        with urllib.request.urlopen(req_, timeout=60) as resp:
+            data = resp.read()
+        tmp = args.out + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, args.out)
+        job["out"] = os.path.abspath(args.out)
+    if args.json:
+        print(json.dumps(job, indent=1))
+    else:
+        print(f"merged trace of ranks {sorted(int(r) for r in job['sources'])}: {job.get('out') or job['path']}")
+        for rank, err in job["errors"].items():
+            print(f"  rank {rank}: {err}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ms-monitor", description="Training performance monitoring for MindSpore jobs")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("daemon", help="run the node daemon (or a cluster aggregator)")
+    d.add_argument("--host", default="127.0.0.1", help="agent listener host (default loopback)")
+    d.add_argument("--port", type=int, default=7781, help="agent TCP port (0: any, -1: none)")
+    d.add_argument("--unix", help="also listen for agents on this Unix socket path")
+    d.add_argument("--http-host", default="127.0.0.1")
+    d.add_argument("--http-port", type=int, default=7780, help="dashboard/metrics/API port (0: any, -1: none)")
+    d.add_argument("--token", help="shared secret (or MS_MONITOR_TOKEN); required beyond loopback")
+    d.add_argument("--forward", help="relay samples to a cluster aggregator at tcp:HOST:PORT")
+    d.add_argument("--trace-dir", help="where merged traces are written")
+    d.add_argument("--jsonl", help="append samples and alerts to this JSON-lines file")
+    d.add_argument("--tensorboard", help="write TensorBoard scalars under this directory")
+    d.add_argument("--window", type=int, default=600, help="samples kept per rank")
+    d.add_argument("--slow-ratio", type=float, default=1.3)
+    d.add_argument("--slow-steps", type=int, default=3)
+    d.add_argument("--regress-ratio", type=float, default=1.3)
+    d.add_argument("--jitter-cv", type=float, default=0.35)
+    d.add_argument("--ready-file", help="write the bound addresses as JSON to this file once listening")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(fn=cmd_daemon)
+
+    url = os.environ.get(URL_ENV, DEFAULT_URL)
+    s = sub.add_parser("status", help="ranks, their last step, and alerts")
+    s.add_argument("--url", default=url, help=f"daemon HTTP address (default ${URL_ENV} or {DEFAULT_URL})")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_status)
+
+    t = sub.add_parser("trace", help="capture N steps of the running job on some ranks, merged into one trace")
+    t.add_argument("--ranks", help="e.g. 0-3 or 0,2 (default: all)")
+    t.add_argument("--steps", type=int, required=True)
+    t.add_argument("--start-step", type=int, help="first step to capture (default: a few steps ahead)")
+    t.add_argument("--out", help="write the merged Chrome trace here")
+    t.add_argument("--no-profiler", action="store_true", help="agent ranges only, no MindSpore profiler")
+    t.add_argument(
+        "--analyse",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run MindSpore's analysis to get trace_view.json (default: agents yes, dyno no)",
+    )
+    t.add_argument("--timeout", type=float, default=180.0)
+    t.add_argument("--url", default=url)
+    t.add_argument("--token")
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(fn=cmd_trace)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose or args.command == "daemon" else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(message)s",
+    )
+    try:
+        return args.fn(args)
+    except MonitorError as exc:
+        print(f"ms-monitor: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

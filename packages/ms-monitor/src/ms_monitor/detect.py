@@ -1,0 +1,221 @@
+"""Real-time degradation detectors over step times (numpy only).
+
+Three detectors, each robust to the odd slow step that every busy machine produces:
+
+* **slow rank** (across ranks, per step): a rank whose *busy* time (step time minus time spent in
+  communication ranges) is well above its peers'. Busy time matters because in synchronous data
+  parallelism a straggler makes every rank's *step* time grow (the others wait in the all-reduce),
+  while only the straggler's busy time grows. A rank is slow in a step when its busy time exceeds
+  the median of the other ranks by ``slow_ratio`` *and* by ``slow_z`` robust standard deviations
+  (1.4826 x MAD) of the others; ``slow_steps`` consecutive slow steps raise the alert.
+* **regression** (per rank, against its own past): the median of the last ``recent_steps`` step
+  times against the median of the ``baseline_steps`` steps after warm-up.
+* **jitter** (per rank): the spread of consecutive differences, ``1.4826 * median(|x_i - x_i-1|) /
+  sqrt(2)``, relative to the median step time over ``jitter_window`` steps. Differences make the
+  measure blind to a single level shift (that is a regression, not jitter).
+
+Each alert is raised once at onset and resolved with hysteresis, so a flapping signal does not
+flood the alert list.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from .errors import MonitorError
+
+MAD_TO_SIGMA = 1.4826
+KINDS = ("slow_rank", "regression", "jitter")
+
+
+@dataclass(frozen=True)
+class DetectorConfig:
+    """Thresholds of the three detectors."""
+
+    slow_ratio: float = 1.3
+    """a rank is slow in a step when its busy time is at least this multiple of the peers' median"""
+    slow_z: float = 4.0
+    """... and exceeds that median by this many robust standard deviations of the peers"""
+    slow_steps: int = 3
+    """consecutive slow steps that raise a slow-rank alert (and fast steps that resolve it)"""
+    warmup_steps: int = 3
+    """first steps of each rank that no detector looks at (graph compilation, cache warm-up)"""
+    baseline_steps: int = 20
+    """steps after warm-up whose median is a rank's baseline step time"""
+    recent_steps: int = 5
+    """steps whose median is compared with the baseline"""
+    regress_ratio: float = 1.3
+    """recent median / baseline median at which a regression is raised"""
+    jitter_window: int = 30
+    """steps over which jitter is measured"""
+    jitter_cv: float = 0.35
+    """robust step-to-step spread relative to the median step time that counts as jitter"""
+
+    def __post_init__(self) -> None:
+        for name in ("slow_ratio", "regress_ratio"):
+            if not getattr(self, name) > 1.0:
+                raise MonitorError(f"DetectorConfig.{name}={getattr(self, name)!r} must be above 1")
+        for name in ("slow_steps", "baseline_steps", "recent_steps", "jitter_window"):
+            if not int(getattr(self, name)) >= 1:
+                raise MonitorError(f"DetectorConfig.{name}={getattr(self, name)!r} must be at least 1")
+        if self.warmup_steps < 0 or self.slow_z < 0 or self.jitter_cv <= 0:
+            raise MonitorError(f"DetectorConfig has a negative threshold: {self}")
+
+
+@dataclass
+class Alert:
+    """One detected degradation of one rank."""
+
+    rank: int
+    """the rank it concerns"""
+    kind: str
+    """slow_rank, regression or jitter"""
+    step: int
+    """the step at which it was raised"""
+    value: float
+    """the measured quantity (seconds, or a ratio for jitter)"""
+    reference: float
+    """what it was compared with (peers' median, baseline, threshold)"""
+    message: str
+    """one line for people"""
+    time: float = field(default_factory=time.time)
+    """wall time of the onset"""
+    active: bool = True
+    """False once resolved"""
+    resolved_step: int | None = None
+    """the step at which it was resolved"""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def robust_stats(values: np.ndarray) -> tuple[float, float]:
+    """Median and robust standard deviation (1.4826 x MAD)."""
+    med = float(np.median(values))
+    return med, MAD_TO_SIGMA * float(np.median(np.abs(values - med)))
+
+
+def slow_ranks(busy: dict[int, float], cfg: DetectorConfig) -> dict[int, float]:
+    """Ranks slow in one step -> the median busy time of their peers."""
+    if len(busy) < 2:
+        return {}
+    ranks = list(busy)
+    values = np.array([busy[r] for r in ranks], dtype=np.float64)
+    out = {}
+    for i, rank in enumerate(ranks):
+        others = np.delete(values, i)
+        med, sigma = robust_stats(others)
+        x = values[i]
+        z_ok = len(others) < 3 or x - med > cfg.slow_z * sigma
+        if x > cfg.slow_ratio * med and z_ok:
+            out[rank] = med
+    return out
+
+
+def step_jitter(values: np.ndarray) -> float:
+    """Robust step-to-step spread relative to the median (see the module docstring)."""
+    if len(values) < 3:
+        return 0.0
+    med = float(np.median(values))
+    if med <= 0:
+        return 0.0
+    sigma = MAD_TO_SIGMA * float(np.median(np.abs(np.diff(values)))) / np.sqrt(2.0)
+    return sigma / med
+
+
+class _RankState:
+    def __init__(self, cfg: DetectorConfig):
+        self.seen = 0
+        self.baseline_buf: list[float] = []
+        self.baseline: float | None = None
+        self.recent: deque[float] = deque(maxlen=max(cfg.recent_steps, cfg.jitter_window))
+        self.slow_run = 0
+        self.fast_run = 0
+        self.active: dict[str, Alert] = {}
+
+
+class Detector:
+    """Feed it per-rank step times and per-step busy times; it returns alert onsets and resolutions."""
+
+    def __init__(self, config: DetectorConfig | None = None):
+        self.config = config or DetectorConfig()
+        self._ranks: dict[int, _RankState] = {}
+
+    def _state(self, rank: int) -> _RankState:
+        if rank not in self._ranks:
+            self._ranks[rank] = _RankState(self.config)
+        return self._ranks[rank]
+
+    def reset(self, rank: int) -> None:
+        """Forget a rank's history (it restarted)."""
+        self._ranks.pop(rank, None)
+
+    def active(self) -> list[Alert]:
+        return [a for st in self._ranks.values() for a in st.active.values()]
+
+    def _raise(self, st: _RankState, alert: Alert) -> list[Alert]:
+        if alert.kind in st.active:
+            return []
+        st.active[alert.kind] = alert
+        return [alert]
+
+    def _resolve(self, st: _RankState, kind: str, step: int) -> list[Alert]:
+        alert = st.active.pop(kind, None)
+        if alert is None:
+            return []
+        alert.active = False
+        alert.resolved_step = step
+        return [alert]
+
+    def update_rank(self, rank: int, step: int, step_time: float) -> list[Alert]:
+        """One step of one rank: the regression and jitter detectors."""
+        cfg, st = self.config, self._state(rank)
+        st.seen += 1
+        if st.seen <= cfg.warmup_steps:
+            return []
+        st.recent.append(step_time)
+        if st.baseline is None:
+            st.baseline_buf.append(step_time)
+            if len(st.baseline_buf) >= cfg.baseline_steps:
+                st.baseline = float(np.median(st.baseline_buf))
+            return []
+        out: list[Alert] = []
+        recent = np.array(st.recent, dtype=np.float64)
+        med = float(np.median(recent[-cfg.recent_steps :]))
+        if med > cfg.regress_ratio * st.baseline:
+            msg = f"rank {rank} step time {med * 1e3:.1f} ms is {med / st.baseline:.2f}x its baseline"
+            out += self._raise(st, Alert(rank, "regression", step, med, st.baseline, msg))
+        elif med < (1 + (cfg.regress_ratio - 1) / 2) * st.baseline:
+            out += self._resolve(st, "regression", step)
+        if len(recent) >= cfg.jitter_window:
+            jit = step_jitter(recent[-cfg.jitter_window :])
+            if jit > cfg.jitter_cv:
+                msg = f"rank {rank} step-to-step jitter {jit:.2f} of the median step time"
+                out += self._raise(st, Alert(rank, "jitter", step, jit, cfg.jitter_cv, msg))
+            elif jit < 0.7 * cfg.jitter_cv:
+                out += self._resolve(st, "jitter", step)
+        return out
+
+    def update_step(self, step: int, busy: dict[int, float]) -> list[Alert]:
+        """One step of all ranks (rank -> busy seconds): the slow-rank detector."""
+        cfg = self.config
+        eligible = {r: t for r, t in busy.items() if self._state(r).seen > cfg.warmup_steps}
+        slow = slow_ranks(eligible, cfg)
+        out: list[Alert] = []
+        for rank in eligible:
+            st = self._state(rank)
+            if rank in slow:
+                st.slow_run, st.fast_run = st.slow_run + 1, 0
+                if st.slow_run >= cfg.slow_steps:
+                    x, med = eligible[rank], slow[rank]
+                    msg = f"rank {rank} busy {x * 1e3:.1f} ms vs peers' median {med * 1e3:.1f} ms ({x / med:.2f}x)"
+                    out += self._raise(st, Alert(rank, "slow_rank", step, x, med, msg))
+            else:
+                st.slow_run, st.fast_run = 0, st.fast_run + 1
+                if st.fast_run >= cfg.slow_steps:
+                    out += self._resolve(st, "slow_rank", step)
+        return out

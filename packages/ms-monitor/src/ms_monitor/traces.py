@@ -1,0 +1,309 @@
+"""Trace jobs on the daemon: command the ranks, gather their files, merge them into one trace.
+
+A job targets ranks through three kinds of connection:
+
+* ms-monitor agents get a ``trace`` command and later upload their files (``tfile``/``tdone``);
+* node daemons relaying to this one (``relay``) get the same command with the rank list, run it as
+  their own job and forward their agents' files up;
+* MindSpore's own hook (``dyno``, the IPCMonitor proxy) gets a msMonitor config string
+  (``PROFILE_START_STEP``, ``ACTIVITIES_ITERATIONS``, ``ACTIVITIES_LOG_FILE``...) that MindSpore's
+  ``DynamicProfilerMonitor`` turns into a profiler run; it writes under the log directory on this
+  node (``rank<R>_start<S>_stop<E>/*_ascend_ms``), which the daemon reads itself once the files
+  stop changing. MindSpore polls with one process per node, so a dyno config reaches every rank of
+  that node whatever ``ranks`` says.
+
+All methods run on the daemon's event loop.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .errors import MonitorError
+from .trace_merge import events_from_cpu_timestamps, events_from_trace_view, merge
+
+log = logging.getLogger("ms_monitor.daemon")
+
+MAX_JOB_BYTES = 512 * 1024 * 1024
+MAX_JOBS = 50
+#: seconds of a dyno poll cycle assumed when choosing a start step (MindSpore's default poll_interval is 2)
+DYNO_POLL = 3.0
+_RANK_DIR = re.compile(r"rank(-?\d+)_start(\d+)_stop(\d+)$")
+
+
+@dataclass
+class TraceJob:
+    """One on-demand capture across ranks."""
+
+    id: str
+    """job id (also the folder name)"""
+    start: int
+    """first captured step"""
+    steps: int
+    """number of captured steps"""
+    ranks: list[int] | None
+    """ranks asked for (None: every rank)"""
+    out_dir: str
+    """where the merged trace and the dyno log directory go"""
+    deadline: float
+    """monotonic time after which the job finishes with what it has"""
+    expected: set[int] = field(default_factory=set)
+    """agent ranks (direct or behind relays) that were sent the command"""
+    missing: list[int] = field(default_factory=list)
+    """requested ranks that no connection serves"""
+    dyno_ranks: list[int] = field(default_factory=list)
+    """ranks of the dyno connections that got the config"""
+    done: dict[int, dict] = field(default_factory=dict)
+    """rank -> its tdone message"""
+    files: dict[int, dict[str, bytearray]] = field(default_factory=dict)
+    """rank -> file name -> bytes"""
+    upstream: bool = False
+    """a relay's job: files go up to the aggregator, nothing is merged here"""
+    state: str = "running"
+    """running, done or failed"""
+    path: str | None = None
+    """the merged Chrome trace, once done"""
+    errors: dict[str, str] = field(default_factory=dict)
+    """rank (as text) -> what went wrong"""
+    dyno_seen: dict[str, tuple] = field(default_factory=dict)
+    """dyno files -> (size, mtime) at the previous look, to tell when they stop changing"""
+    dyno_stable_since: float | None = None
+    """when the dyno files last changed"""
+    dyno_gathered: bool = False
+    """whether the dyno files have been read"""
+    bytes: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "state": self.state,
+            "start_step": self.start,
+            "steps": self.steps,
+            "ranks": self.ranks,
+            "expected": sorted(self.expected),
+            "done": sorted(self.done),
+            "missing": self.missing,
+            "dyno_ranks": self.dyno_ranks,
+            "errors": self.errors,
+            "path": self.path,
+            "sources": {str(r): d.get("sources", []) for r, d in self.done.items()},
+        }
+
+
+def dyno_config(start: int, steps: int, log_dir: str, analyse: bool) -> str:
+    """The msMonitor ``nputrace`` config string that MindSpore's dyno path understands."""
+    lines = {
+        "PROFILE_START_STEP": start,
+        "ACTIVITIES_ITERATIONS": steps,
+        "ACTIVITIES_LOG_FILE": log_dir,
+        "PROFILE_ACTIVITIES": "CPU",
+        "PROFILE_PROFILER_LEVEL": "Level0",
+        "PROFILE_ANALYSE": "true" if analyse else "false",
+        "PROFILE_EXPORT_TYPE": "Text",
+    }
+    return "\n".join(f"{k}={v}" for k, v in lines.items())
+
+
+def choose_start(last_steps: list[int], step_times: list[float], lead_seconds: float, min_lead: int = 2) -> int:
+    """A step far enough ahead that every rank will see the command before reaching it."""
+    if not last_steps:
+        raise MonitorError("no rank has reported a step yet: give --start-step")
+    st = [t for t in step_times if t and t > 0]
+    per = max(st) if st else 1.0
+    return max(last_steps) + max(min_lead, math.ceil(lead_seconds / per) + 1)
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class TraceManager:
+    """The daemon's trace jobs; ``forward`` sends a message up to the aggregator (relays only)."""
+
+    def __init__(self, root: str, forward: Callable[[dict], None] | None = None):
+        self.root = root
+        self.forward = forward
+        self.jobs: dict[str, TraceJob] = {}
+
+    def new_job(
+        self,
+        start: int,
+        steps: int,
+        ranks: list[int] | None,
+        timeout: float,
+        job_id: str | None = None,
+        upstream: bool = False,
+    ) -> TraceJob:
+        if not isinstance(steps, int) or not 1 <= steps <= 100000:
+            raise MonitorError(f"steps={steps!r} must be an integer in 1..100000")
+        if not isinstance(start, int) or start < 0:
+            raise MonitorError(f"start_step={start!r} must be a non-negative integer")
+        job_id = job_id or time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", job_id) or job_id in self.jobs:
+            raise MonitorError(f"trace id {job_id!r} is malformed or already used")
+        out_dir = os.path.join(self.root, job_id)
+        os.makedirs(out_dir, exist_ok=True)
+        job = TraceJob(job_id, start, steps, ranks, out_dir, time.monotonic() + timeout, upstream=upstream)
+        self.jobs[job_id] = job
+        while len(self.jobs) > MAX_JOBS:
+            self.jobs.pop(next(iter(self.jobs)))
+        return job
+
+    def on_tfile(self, msg: dict) -> None:
+        job = self.jobs.get(msg["id"])
+        if job is None or job.state != "running":
+            return
+        job.bytes += len(msg["data"])
+        if job.bytes > MAX_JOB_BYTES:
+            job.errors[str(msg["rank"])] = f"trace data above {MAX_JOB_BYTES} bytes; dropped"
+            return
+        job.files.setdefault(msg["rank"], {}).setdefault(msg["name"], bytearray()).extend(msg["data"])
+        if job.upstream and self.forward:
+            self.forward(msg)
+
+    def on_tdone(self, msg: dict) -> None:
+        job = self.jobs.get(msg["id"])
+        if job is None or job.state != "running":
+            return
+        job.done[msg["rank"]] = msg
+        if msg.get("error"):
+            job.errors[str(msg["rank"])] = msg["error"]
+        if job.upstream and self.forward:
+            self.forward(msg)
+        self.check(job)
+
+    def check(self, job: TraceJob) -> None:
+        """Finish the job when every expected rank is in, or at its deadline."""
+        if job.state != "running":
+            return
+        dyno_ready = not job.dyno_ranks or self._gather_dyno(job)
+        timed_out = time.monotonic() > job.deadline
+        if (job.expected <= set(job.done) and dyno_ready) or timed_out:
+            if timed_out:
+                for rank in sorted(job.expected - set(job.done)):
+                    job.errors.setdefault(str(rank), "no trace arrived before the deadline")
+                if job.dyno_ranks and not dyno_ready:
+                    self._gather_dyno(job, final=True)
+            self._finish(job)
+
+    def tick(self) -> None:
+        for job in list(self.jobs.values()):
+            self.check(job)
+
+    def _gather_dyno(self, job: TraceJob, final: bool = False) -> bool:
+        """Read MindSpore's dyno-path output once it has stopped changing for 2 seconds."""
+        if job.dyno_gathered:
+            return True
+        log_dir = os.path.join(job.out_dir, "dyno")
+        patterns = ("**/ASCEND_PROFILER_OUTPUT/trace_view.json", "**/FRAMEWORK/cpu_op_execute_timestamp_*.txt")
+        found = sorted(p for pat in patterns for p in glob.glob(os.path.join(log_dir, pat), recursive=True))
+        seen = {p: (os.path.getsize(p), os.path.getmtime(p)) for p in found if os.path.exists(p)}
+        now = time.monotonic()
+        if seen != job.dyno_seen or not seen:
+            job.dyno_seen, job.dyno_stable_since = seen, now
+            if not final:
+                return False
+        elif now - (job.dyno_stable_since or now) < 2.0 and not final:
+            return False
+        gathered: dict[int, dict[str, bytes]] = {}
+        for path in seen:
+            m = _RANK_DIR.match(os.path.relpath(path, log_dir).split(os.sep)[0])
+            if m:
+                with open(path, "rb") as f:
+                    gathered.setdefault(int(m.group(1)), {})[os.path.basename(path)] = f.read()
+        for rank, files in gathered.items():
+            job.files.setdefault(rank, {}).update({n: bytearray(d) for n, d in files.items()})
+            job.done.setdefault(rank, {"rank": rank, "sources": []})["sources"].extend(sorted(files))
+            if job.upstream and self.forward:  # a relay hands the node's dyno files up as agents would
+                for name, data in files.items():
+                    self._forward_file(job.id, rank, name, data)
+                self.forward(
+                    {
+                        "t": "tdone",
+                        "id": job.id,
+                        "rank": rank,
+                        "first": job.start,
+                        "last": job.start + job.steps - 1,
+                        "sources": sorted(files),
+                    }
+                )
+        job.dyno_gathered = True
+        return True
+
+    def _forward_file(self, job_id: str, rank: int, name: str, data: bytes) -> None:
+        assert self.forward is not None
+        chunks = [data[i : i + 1024 * 1024] for i in range(0, len(data), 1024 * 1024)] or [b""]
+        for seq, chunk in enumerate(chunks):
+            self.forward(
+                {
+                    "t": "tfile",
+                    "id": job_id,
+                    "rank": rank,
+                    "name": name,
+                    "seq": seq,
+                    "last": seq == len(chunks) - 1,
+                    "data": chunk,
+                }
+            )
+
+    def _rank_events(self, rank: int, files: dict[str, bytearray]) -> list[tuple[str, list[dict]]]:
+        out = []
+        analysed = "trace_view.json" in files  # holds the same ops as the raw files, and more
+        for name in sorted(files):
+            if analysed and name.startswith("cpu_op_execute_timestamp"):
+                continue
+            data = bytes(files[name])
+            try:
+                if name == "trace_view.json":
+                    out.append(("mindspore", events_from_trace_view(data, f"rank {rank} {name}")))
+                elif name.startswith("cpu_op_execute_timestamp"):
+                    out.append(
+                        ("mindspore-framework", events_from_cpu_timestamps(data.decode(), f"rank {rank} {name}"))
+                    )
+                elif name == "agent_ranges.json":
+                    out.append(("ms-monitor", events_from_trace_view(data, f"rank {rank} {name}")))
+            except (MonitorError, UnicodeDecodeError) as exc:
+                log.warning("ms-monitor: skipping %s of rank %d: %s", name, rank, exc)
+        return out
+
+    def _finish(self, job: TraceJob) -> None:
+        if job.upstream:
+            job.state = "done"
+            return
+        per_rank = {rank: self._rank_events(rank, files) for rank, files in job.files.items()}
+        per_rank = {r: evs for r, evs in per_rank.items() if evs}
+        if not per_rank:
+            job.state = "failed"
+            job.errors.setdefault("all", "no rank sent any trace data")
+            return
+        doc = merge(
+            per_rank, {"ms_monitor_trace_id": job.id, "start_step": job.start, "steps": job.steps, "errors": job.errors}
+        )
+        data = json.dumps(doc).encode()
+        path = os.path.join(job.out_dir, "merged_trace.json")
+        write_atomic(path, data)
+        manifest = {
+            "file": "merged_trace.json",
+            "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "ranks": sorted(per_rank),
+            "trace": job.summary(),
+        }
+        write_atomic(os.path.join(job.out_dir, "manifest.json"), json.dumps(manifest, indent=1).encode())
+        job.path, job.state = path, "done"
+        log.info("ms-monitor: trace %s merged for ranks %s -> %s", job.id, sorted(per_rank), path)

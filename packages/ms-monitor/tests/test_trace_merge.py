@@ -10,21 +10,37 @@ from ms_monitor.trace_merge import events_from_cpu_timestamps, events_from_trace
 TRACE_VIEW = [
     {"ph": "M", "name": "process_name", "pid": 2, "tid": 0, "args": {"name": "CPU OP"}},
     {"ph": "M", "name": "thread_name", "pid": 2, "tid": 0, "args": {"name": "Thread 0"}},
-    {"ph": "X", "name": "Default/MatMul-op0", "pid": 2, "tid": 0, "ts": "1796039105143047.318", "dur": "148.820",
-     "cat": "", "args": {"type": "HostCpuOps"}},
+    {
+        "ph": "X",
+        "name": "Default/MatMul-op0",
+        "pid": 2,
+        "tid": 0,
+        "ts": "1796039105143047.318",
+        "dur": "148.820",
+        "cat": "",
+        "args": {"type": "HostCpuOps"},
+    },
     {"ph": "M", "name": "process_name", "pid": 3, "tid": 0, "args": {"name": "Scope Layer"}},
     {"ph": "X", "name": "Default", "pid": 3, "tid": 0, "ts": "1796039105143047.318", "dur": "19387.969", "cat": ""},
     {"ph": "s", "name": "flow", "pid": 2, "tid": 0, "ts": "1796039105143047.318", "id": 1},
-]  # fmt: skip
+]
 CPU_TS = (
     "Default/MatMul-op0;HostCpuOps;1796039105143047281,0.14882,0 1796039105183992295,0.152075,0 \n"
     "Default/BiasAdd-op0;HostCpuOps;1796039105143319424,0.076753,1 \n"
 )
 AGENT = [
     {"ph": "M", "name": "process_name", "pid": "ms-monitor", "args": {"name": "ms-monitor agent"}},
-    {"ph": "X", "name": "forward", "cat": "phase", "ts": 1796039105143000.0, "dur": 10000.0, "pid": "ms-monitor",
-     "tid": 0, "args": {"step": 7}},
-]  # fmt: skip
+    {
+        "ph": "X",
+        "name": "forward",
+        "cat": "phase",
+        "ts": 1796039105143000.0,
+        "dur": 10000.0,
+        "pid": "ms-monitor",
+        "tid": 0,
+        "args": {"step": 7},
+    },
+]
 
 
 def test_trace_view_numbers_are_parsed_and_flows_dropped():
@@ -59,17 +75,26 @@ def test_merge_gives_one_lane_per_rank_with_named_threads():
     names = {(e["pid"], e["args"]["name"]) for e in doc["traceEvents"] if e.get("name") == "process_name"}
     assert names == {(0, "rank 0"), (1, "rank 1")}
     threads = {e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name" and e["pid"] == 0}
-    assert threads == {"mindspore: CPU OP / Thread 0", "mindspore: Scope Layer / thread 0",
-                       "ms-monitor: ms-monitor agent / thread 0"}  # fmt: skip
-    assert doc["otherData"]["sources"] == {"0": {"mindspore": 2, "ms-monitor": 1}, "1": {"mindspore-framework": 3,
-                                           "ms-monitor": 1}}  # fmt: skip
+    assert threads == {
+        "mindspore: CPU OP / Thread 0",
+        "mindspore: Scope Layer / thread 0",
+        "ms-monitor: ms-monitor agent / thread 0",
+    }
+    assert doc["otherData"]["sources"] == {
+        "0": {"mindspore": 2, "ms-monitor": 1},
+        "1": {"mindspore-framework": 3, "ms-monitor": 1},
+    }
 
 
 @pytest.mark.parametrize(
     "doc",
-    [[], {"traceEvents": [{"ph": "X", "pid": "a", "ts": 1, "dur": 1}]},
-     {"traceEvents": [{"ph": "X", "pid": 0, "ts": "x", "dur": 1}]}, {"traceEvents": [{"ph": "X", "pid": 0, "ts": 1}]}],
-)  # fmt: skip
+    [
+        [],
+        {"traceEvents": [{"ph": "X", "pid": "a", "ts": 1, "dur": 1}]},
+        {"traceEvents": [{"ph": "X", "pid": 0, "ts": "x", "dur": 1}]},
+        {"traceEvents": [{"ph": "X", "pid": 0, "ts": 1}]},
+    ],
+)
 def test_check_chrome_trace_refuses_malformed(doc):
     with pytest.raises(MonitorError):
         check_chrome_trace(doc)

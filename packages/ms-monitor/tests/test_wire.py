@@ -64,8 +64,9 @@ def test_oversized_frames_are_refused_from_the_header():
     with pytest.raises(WireError, match="limit"):
         wire.frame_length(struct.pack(">I", wire.MAX_FRAME + 1))
     with pytest.raises(WireError):
-        wire.encode({"t": "tfile", "id": "a", "rank": 0, "name": "x", "seq": 0, "last": True,
-                     "data": b"x" * (wire.CHUNK + 1)})  # fmt: skip
+        wire.encode(
+            {"t": "tfile", "id": "a", "rank": 0, "name": "x", "seq": 0, "last": True, "data": b"x" * (wire.CHUNK + 1)}
+        )
 
 
 def test_frame_reader_reassembles_split_frames():

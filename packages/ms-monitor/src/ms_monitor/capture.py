@@ -93,6 +93,7 @@ class Capture:
         self.events: list[dict] = []
         self.first = self.last = -1
         self.error: str | None = None
+        self.note: str | None = None
         self._prof = None
         self.done = threading.Event()
 
@@ -107,7 +108,7 @@ class Capture:
                 self.error = f"MindSpore profiler did not start: {type(exc).__name__}: {exc}"
                 log.warning("ms-monitor: %s", self.error)
         elif self.use_profiler:
-            self.error = "MindSpore is not loaded in this process: agent ranges only"
+            self.note = "MindSpore is not loaded in this process: agent ranges only"
 
     def add(self, name: str, cat: str, start_ns: int, dur_s: float, step: int, tid: int = 0) -> None:
         self.events.append(
@@ -168,6 +169,8 @@ class Capture:
         }
         if self.error:
             msg["error"] = self.error[:4000]
+        if self.note:
+            msg["note"] = self.note[:4000]
         self.send(msg)
         self.done.set()
 

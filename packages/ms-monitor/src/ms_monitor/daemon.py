@@ -18,17 +18,17 @@ import hmac
 import ipaddress
 import logging
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from . import wire
 from .capture import default_trace_root
 from .detect import DetectorConfig
-from .errors import MonitorError, WireError
+from .errors import FrameError, MonitorError, WireError
 from .exporters import JsonlWriter, TensorBoardWriter
+from .relay import Relay, read_message
 from .store import Store
 from .traces import DYNO_POLL, TraceJob, TraceManager, choose_start, dyno_config
 
@@ -116,9 +116,8 @@ class Daemon:
         self.config.check()
         self.store = Store(self.config.window, self.config.detector)
         self.conns: set[Conn] = set()
-        self.forward_dropped = 0
-        self._forward_q: asyncio.Queue | None = None
-        self.traces = TraceManager(self.config.trace_dir, forward=self._forward_control)
+        self.relay = Relay(self) if self.config.forward else None
+        self.traces = TraceManager(self.config.trace_dir, forward=self.relay.put if self.relay else None)
         self.jsonl = JsonlWriter(self.config.jsonl) if self.config.jsonl else None
         self.tensorboard = TensorBoardWriter(self.config.tensorboard) if self.config.tensorboard else None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -152,9 +151,8 @@ class Daemon:
             self._http = start_http(self, cfg.http_host, cfg.http_port)
             self.http_url = f"http://{cfg.http_host}:{self._http.server_address[1]}"
         self._tasks = [asyncio.ensure_future(self._tick())]
-        if cfg.forward:
-            self._forward_q = asyncio.Queue(maxsize=1024)
-            self._tasks.append(asyncio.ensure_future(self._forward_loop()))
+        if self.relay is not None:
+            self._tasks.append(asyncio.ensure_future(self.relay.run()))
         log.info("ms-monitor daemon: agents at %s, http at %s", self.agent_addrs, self.http_url)
 
     async def serve(self) -> None:
@@ -220,8 +218,7 @@ class Daemon:
 
     # -- agent connections -----------------------------------------------------------------------
     async def _read(self, reader: asyncio.StreamReader) -> dict:
-        header = await reader.readexactly(wire.HEADER.size)
-        return wire.decode(await reader.readexactly(wire.frame_length(header)))
+        return await read_message(reader)
 
     def _authorized(self, hello: dict, writer: asyncio.StreamWriter) -> bool:
         if not self.config.token:
@@ -247,9 +244,9 @@ class Daemon:
             while True:
                 try:
                     msg = await self._read(reader)
+                except FrameError:
+                    raise  # the stream cannot be resynchronized: close
                 except WireError as exc:
-                    if "frame of" in str(exc):
-                        raise  # framing is lost: close
                     self.store.count_invalid()
                     log.warning("ms-monitor daemon: invalid message from %s rank %d: %s", conn.role, conn.rank, exc)
                     continue
@@ -280,8 +277,8 @@ class Daemon:
                         self.store.connected(s["r"], {"host": conn.host, "role": "relay"})
             alerts = self.store.add(samples)
             self._export(samples, alerts)
-            if self._forward_q is not None and samples:
-                self._forward_put({"t": "b", "s": samples})
+            if self.relay is not None and samples:
+                self.relay.put({"t": "b", "s": samples})
         elif kind == "dstat":
             self.store.dyno_status(msg)
         elif kind == "npumon":
@@ -312,6 +309,16 @@ class Daemon:
             raise MonitorError("the daemon is not running")
         fut = asyncio.run_coroutine_threadsafe(self._trace(req), self.loop)
         return fut.result(timeout)
+
+    def on_loop(self, fn: Callable[[], Any], timeout: float = 10.0) -> Any:
+        """Run ``fn`` on the daemon's event loop and return its result (for the HTTP threads)."""
+        if self.loop is None:
+            raise MonitorError("the daemon is not running")
+
+        async def call() -> Any:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(timeout)
 
     def trace_status(self, job_id: str) -> dict | None:
         job = self.traces.jobs.get(job_id)
@@ -380,79 +387,6 @@ class Daemon:
                 )
             )
         return max(starts)
-
-    # -- forwarding to an aggregator ----------------------------------------------------------------
-    def _forward_put(self, msg: dict) -> None:
-        assert self._forward_q is not None
-        try:
-            self._forward_q.put_nowait(msg)
-        except asyncio.QueueFull:
-            self.forward_dropped += len(msg.get("s", [])) or 1
-
-    def _forward_control(self, msg: dict) -> None:
-        if self._forward_q is not None:
-            self._forward_put(msg)
-
-    async def _forward_loop(self) -> None:
-        assert self.config.forward and self._forward_q is not None
-        kind, where = wire.parse_address(self.config.forward)
-        hello = {
-            "t": "hello",
-            "v": wire.PROTOCOL_VERSION,
-            "role": "relay",
-            "rank": -1,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-        }
-        if self.config.token:
-            hello["token"] = self.config.token
-        backoff = 0.2
-        while True:
-            writer = None
-            try:
-                if kind == "unix":
-                    reader, writer = await asyncio.open_unix_connection(where)
-                else:
-                    reader, writer = await asyncio.open_connection(*where)
-                writer.write(wire.encode(hello))
-                reply = await asyncio.wait_for(self._read(reader), 10.0)
-                if reply["t"] != "welcome":
-                    raise ConnectionError(f"aggregator refused this relay: {reply.get('msg')}")
-                backoff = 0.2
-                log.info("ms-monitor daemon: relaying to %s", self.config.forward)
-                await asyncio.gather(self._forward_send(writer), self._forward_recv(reader))
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.debug("ms-monitor daemon: aggregator connection: %s", exc)
-            finally:
-                if writer is not None:
-                    writer.close()
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
-
-    async def _forward_send(self, writer: asyncio.StreamWriter) -> None:
-        assert self._forward_q is not None
-        while True:
-            msg = await self._forward_q.get()
-            writer.write(wire.encode(msg))
-            await asyncio.wait_for(writer.drain(), 10.0)
-
-    async def _forward_recv(self, reader: asyncio.StreamReader) -> None:
-        while True:
-            msg = await self._read(reader)
-            if msg["t"] == "trace":
-                req = {
-                    "ranks": msg.get("ranks"),
-                    "steps": msg["steps"],
-                    "start_step": msg["start"],
-                    "profiler": msg["profiler"],
-                    "analyse": msg.get("analyse", True),
-                }
-                try:
-                    await self._trace(req, job_id=msg["id"], upstream=True)
-                except MonitorError as exc:
-                    log.warning("ms-monitor daemon: trace %s from the aggregator: %s", msg["id"], exc)
 
 
 __all__ = ["Daemon", "DaemonConfig", "TraceJob"]

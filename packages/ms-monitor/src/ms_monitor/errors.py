@@ -9,3 +9,7 @@ class MonitorError(ValueError):
 
 class WireError(MonitorError):
     """A message from a socket that is not what the protocol allows: too big, not msgpack, wrong schema."""
+
+
+class FrameError(WireError):
+    """A frame header announcing more than the protocol allows: the stream can no longer be read."""

@@ -65,9 +65,9 @@ def make_handler(daemon: Daemon) -> type[BaseHTTPRequestHandler]:
                     self._send(200, prometheus_text(daemon.store).encode(), "text/plain; version=0.0.4; charset=utf-8")
                 elif path == "/api/status":
                     status = daemon.store.status()
-                    status["traces"] = [j.summary() for j in list(daemon.traces.jobs.values())]
+                    status["traces"] = daemon.on_loop(lambda: [j.summary() for j in daemon.traces.jobs.values()])
                     status["agent_addrs"] = daemon.agent_addrs
-                    status["forward_dropped"] = daemon.forward_dropped
+                    status["forward_dropped"] = daemon.relay.dropped if daemon.relay else 0
                     self._json(200, status)
                 elif path == "/api/series":
                     last = int(parse_qs(url.query).get("last", ["200"])[0])
@@ -81,17 +81,17 @@ def make_handler(daemon: Daemon) -> type[BaseHTTPRequestHandler]:
 
         def _trace_get(self, rest: str) -> None:
             job_id, _, what = rest.partition("/")
-            job = daemon.traces.jobs.get(job_id)
+            job = daemon.on_loop(lambda: daemon.trace_status(job_id))
             if job is None:
                 self._json(404, {"error": f"no trace {job_id!r}"})
             elif what == "merged":
-                if job.path is None:
-                    self._json(409, {"error": f"trace {job_id} is {job.state}", "state": job.state})
+                if job["path"] is None:
+                    self._json(409, {"error": f"trace {job_id} is {job['state']}", "state": job["state"]})
                 else:
-                    with open(job.path, "rb") as f:
+                    with open(job["path"], "rb") as f:
                         self._send(200, f.read(), "application/json")
             else:
-                self._json(200, job.summary())
+                self._json(200, job)
 
         def do_POST(self) -> None:
             path = urlparse(self.path).path.rstrip("/")

@@ -97,6 +97,7 @@ class TraceJob:
             "errors": self.errors,
             "path": self.path,
             "sources": {str(r): d.get("sources", []) for r, d in self.done.items()},
+            "notes": {str(r): d["note"] for r, d in self.done.items() if d.get("note")},
         }
 
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import msgpack
 
-from .errors import WireError
+from .errors import FrameError, WireError
 
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct(">I")
@@ -170,6 +170,7 @@ SCHEMAS: dict[str, dict[str, tuple[Check, bool]]] = {
         "last": (STEP, True),
         "sources": (_list(_str(MAX_NAME), 16), True),
         "error": (_str(4096), False),
+        "note": (_str(4096), False),
     },
     # daemon -> agent
     "welcome": {"v": (_int(1, 1000), True)},
@@ -220,7 +221,7 @@ def frame_length(header: bytes) -> int:
     """The body length announced by a 4-byte header, refusing anything above MAX_FRAME."""
     (length,) = HEADER.unpack(header)
     if length > MAX_FRAME:
-        raise WireError(f"frame of {length} bytes announced; the limit is {MAX_FRAME}")
+        raise FrameError(f"frame of {length} bytes announced; the limit is {MAX_FRAME}")
     return length
 
 

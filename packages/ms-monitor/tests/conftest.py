@@ -1,0 +1,77 @@
+"""Shared helpers: an in-process daemon and ranks stepping in threads."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+import urllib.request
+
+import pytest
+from ms_monitor import Daemon, DaemonConfig, Monitor
+
+
+def wait_for(cond, timeout=20.0, what="condition"):
+    """Poll until cond() is truthy (a liveness wait, not a timing assertion)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def get_json(url, body=None, token=None):
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(), headers=headers)
+    with urllib.request.urlopen(req, timeout=15) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.fixture
+def sock_dir():
+    # Unix socket paths are limited to ~100 bytes: pytest's tmp_path can be too long.
+    with tempfile.TemporaryDirectory(prefix="msmon") as d:
+        yield d
+
+
+@pytest.fixture
+def daemon(tmp_path, sock_dir):
+    d = Daemon(
+        DaemonConfig(port=None, unix=os.path.join(sock_dir, "d.sock"), http_port=0, trace_dir=str(tmp_path / "traces"))
+    )
+    d.start_in_thread()
+    yield d
+    d.stop()
+
+
+class Ranks:
+    """Monitors of several ranks stepping in background threads (ranges: forward, allreduce)."""
+
+    def __init__(self, addr, ranks=(0, 1), step_s=0.005, slow=None, **kw):
+        self.monitors = [Monitor(rank=r, world_size=len(ranks), addr=addr, **kw) for r in ranks]
+        self.step_s, self.slow = step_s, slow or {}
+        self._stop = threading.Event()
+        self.threads = [threading.Thread(target=self._loop, args=(m,), daemon=True) for m in self.monitors]
+        for t in self.threads:
+            t.start()
+
+    def _loop(self, mon):
+        while not self._stop.is_set():
+            with mon.step(tokens=128):
+                with mon.range("forward"):
+                    time.sleep(self.step_s + self.slow.get(mon.rank, 0.0))
+                with mon.range("allreduce", kind="comm"):
+                    time.sleep(0.001)
+
+    def close(self):
+        self._stop.set()
+        for t in self.threads:
+            t.join(5)
+        for m in self.monitors:
+            m.close()

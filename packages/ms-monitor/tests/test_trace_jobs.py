@@ -1,0 +1,101 @@
+"""Trace jobs without MindSpore: agents capture their ranges at a step boundary; relays; the CLI."""
+
+import json
+import os
+
+import pytest
+from conftest import Ranks, get_json, wait_for
+from ms_monitor import Daemon, DaemonConfig, check_chrome_trace
+from ms_monitor.cli import main, parse_ranks
+
+
+def finished(daemon, job_id):
+    return wait_for(
+        lambda: (j := get_json(f"{daemon.http_url}/api/trace/{job_id}"))["state"] != "running" and j,
+        timeout=60,
+        what=f"trace {job_id}",
+    )
+
+
+def step_spans(doc, rank):
+    return sorted(e["args"]["step"] for e in doc["traceEvents"] if e["pid"] == rank and e.get("cat") == "step")
+
+
+def test_trace_captures_the_requested_steps_of_each_rank(daemon):
+    ranks = Ranks(daemon.agent_addrs[0], ranks=(0, 1, 2))
+    try:
+        wait_for(lambda: len(daemon.store.ranks) == 3 and min(r.last_step for r in daemon.store.ranks.values()) > 3)
+        start = max(r.last_step for r in daemon.store.ranks.values()) + 20
+        job = get_json(daemon.http_url + "/api/trace", {"ranks": [0, 2], "steps": 3, "start_step": start})
+        assert job["expected"] == [0, 2] and job["start_step"] == start
+        job = finished(daemon, job["id"])
+        still_running = ranks.monitors[1].step_num
+    finally:
+        ranks.close()
+    assert job["state"] == "done" and job["notes"]["0"].startswith("MindSpore is not loaded")
+    doc = json.load(open(job["path"]))
+    assert check_chrome_trace(doc).keys() == {0, 2}
+    for rank in (0, 2):
+        assert step_spans(doc, rank) == [start, start + 1, start + 2]
+        ranges = {e["name"] for e in doc["traceEvents"] if e["pid"] == rank and e.get("cat") in ("phase", "comm")}
+        assert ranges == {"forward", "allreduce"}
+    assert still_running > start + 2  # the ranks kept stepping through and after the capture
+    manifest = json.load(open(os.path.join(os.path.dirname(job["path"]), "manifest.json")))
+    assert manifest["bytes"] == os.path.getsize(job["path"]) and manifest["ranks"] == [0, 2]
+
+
+def test_aggregator_traces_ranks_behind_a_relay(tmp_path, sock_dir):
+    agg = Daemon(DaemonConfig(port=0, http_port=0, trace_dir=str(tmp_path / "agg"))).start_in_thread()
+    node = Daemon(
+        DaemonConfig(
+            port=None,
+            unix=os.path.join(sock_dir, "n.sock"),
+            http_port=None,
+            forward=agg.agent_addrs[0],
+            trace_dir=str(tmp_path / "node"),
+        )
+    ).start_in_thread()
+    ranks = Ranks(node.agent_addrs[0], ranks=(4, 5))
+    try:
+        wait_for(
+            lambda: {4, 5} <= set(agg.store.ranks) and min(r.last_step for r in agg.store.ranks.values()) > 3,
+            what="relayed samples",
+        )
+        assert {r["role"] for r in get_json(agg.http_url + "/api/status")["ranks"]} == {"relay"}
+        job = get_json(agg.http_url + "/api/trace", {"steps": 2})
+        assert job["expected"] == [4, 5]
+        job = finished(agg, job["id"])
+    finally:
+        ranks.close()
+        node.stop()
+        agg.stop()
+    assert job["state"] == "done", job
+    doc = json.load(open(job["path"]))
+    assert check_chrome_trace(doc).keys() == {4, 5}
+    assert len(step_spans(doc, 4)) == 2
+
+
+def test_parse_ranks():
+    assert parse_ranks("0-3") == [0, 1, 2, 3]
+    assert parse_ranks("5,0-1,1") == [0, 1, 5]
+    for bad in ("", "a", "3-1", "1-"):
+        with pytest.raises(ValueError):
+            parse_ranks(bad)
+
+
+def test_cli_status_and_trace(daemon, tmp_path, capsys):
+    ranks = Ranks(daemon.agent_addrs[0], ranks=(0, 1))
+    try:
+        wait_for(lambda: len(daemon.store.ranks) == 2 and min(r.last_step for r in daemon.store.ranks.values()) > 3)
+        assert main(["status", "--url", daemon.http_url, "--json"]) == 0
+        status = json.loads(capsys.readouterr().out)
+        assert sorted(r["rank"] for r in status["ranks"]) == [0, 1] and status["alerts"] == []
+        assert all(r["last_step"] > 3 for r in status["ranks"])
+        out = tmp_path / "merged.json"
+        assert main(["trace", "--url", daemon.http_url, "--ranks", "0-1", "--steps", "2", "--out", str(out)]) == 0
+        capsys.readouterr()
+    finally:
+        ranks.close()
+    assert check_chrome_trace(json.load(open(out))).keys() == {0, 1}
+    assert main(["trace", "--url", daemon.http_url, "--ranks", "9", "--steps", "2"]) == 2
+    assert "no connected rank" in capsys.readouterr().err

@@ -56,13 +56,16 @@ class CausalLM(nn.Cell):
             return ops.matmul(hidden, self.model.embed_tokens.weight.T)
         return self.lm_head(hidden)
 
-    def construct(self, input_ids, positions=None, segment_ids=None):
-        """Training forward: [B, S] ids (positions default 0..S-1; segment_ids for packed rows) -> [B, S, V]."""
+    def hidden_states(self, input_ids, positions=None, segment_ids=None):
+        """The final normed hidden states [B, S, H] of the training path."""
         if positions is None:
             seq = input_ids.shape[-1]
             positions = ops.broadcast_to(ops.arange(0, seq, 1, dtype=mstype.int32).expand_dims(0), input_ids.shape)
-        hidden = self.model(input_ids, positions, causal_mask(positions, segment_ids))
-        return self.compute_logits(hidden)
+        return self.model(input_ids, positions, causal_mask(positions, segment_ids))
+
+    def construct(self, input_ids, positions=None, segment_ids=None):
+        """Training forward: [B, S] ids (positions default 0..S-1; segment_ids for packed rows) -> [B, S, V]."""
+        return self.compute_logits(self.hidden_states(input_ids, positions, segment_ids))
 
     def forward_packed(self, input_ids, cu_seqlens):
         """Samples packed in one row: ids [T] or [1, T] and cu_seqlens [n + 1] -> logits [1, T, V]."""

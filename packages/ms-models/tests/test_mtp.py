@@ -7,7 +7,6 @@ ops and HF's own DeepseekV3DecoderLayer, loaded with the checkpoint's `model.lay
 import numpy as np
 import pytest
 from conftest import hf_model, random_ids, rel_err
-
 from ms_models import ModelError, read_safetensors
 
 pytestmark = [pytest.mark.needs_torch, pytest.mark.needs_mindspore]
@@ -39,9 +38,10 @@ def _torch_mtp(directory, ids, next_ids):
         ids_t, next_t = torch.from_numpy(ids).long(), torch.from_numpy(next_ids).long()
         hidden = main.model(ids_t).last_hidden_state  # final normed hidden states
         embeds = main.model.embed_tokens(next_t)
-        x = torch.cat([rms(embeds, mine["enorm.weight"]), rms(hidden, mine["hnorm.weight"])], -1) @ mine[
-            "eh_proj.weight"
-        ].T
+        x = (
+            torch.cat([rms(embeds, mine["enorm.weight"]), rms(hidden, mine["hnorm.weight"])], -1)
+            @ mine["eh_proj.weight"].T
+        )
         seq = ids.shape[1]
         positions = torch.arange(seq)[None]
         mask = torch.full((seq, seq), float("-inf")).triu(1)[None, None]

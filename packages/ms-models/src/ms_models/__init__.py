@@ -36,6 +36,7 @@ from .io import (
     read_safetensors,
     save_safetensors,
 )
+from .layouts import model_layouts, param_shapes
 from .paged_cache import PagedMetadata, allocate_kv_caches
 from .tiny import TINY_CONFIGS, make_tiny, tiny_config
 
@@ -62,7 +63,9 @@ __all__ = [
     "load_safetensors",
     "load_state_dict",
     "make_tiny",
+    "model_layouts",
     "packed_positions",
+    "param_shapes",
     "read_safetensors",
     "save_safetensors",
     "tiny_config",

@@ -1,0 +1,111 @@
+"""run_local: results in rank order, and failures reported promptly with the failing rank named,
+while the other ranks sit in a collective waiting for it; no process survives a run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from ms_layout.comm import CommError, RankFailedError, run_local
+from ms_layout.testing import run_ranks  # noqa: F401  (also provided by the pytest plugin)
+
+pytestmark = pytest.mark.needs_torch
+
+
+def report(g, scale, *, offset=0):
+    a = np.full(3, float(g.rank + 1))
+    g.all_reduce(a)
+    env = (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ.get("MS_LAYOUT_TEST_VAR"))
+    return g.rank, a[0] * scale + offset, env, os.getpid(), g.backend
+
+
+def raise_on_rank_1(g):
+    if g.rank == 1:
+        time.sleep(0.5)  # the others are in all_reduce by now
+        raise ValueError("boom from rank 1")
+    g.all_reduce(np.ones(4))  # waits for rank 1 forever (well, until killed)
+
+
+def exit_on_rank_2(g):
+    if g.rank == 2:
+        time.sleep(0.5)
+        os._exit(3)
+    g.barrier()
+
+
+def sleep_on_rank_1(g):
+    if g.rank == 1:
+        time.sleep(3600)
+    return g.rank
+
+
+def leave_a_grandchild(g):
+    # rank 0 starts a long-lived subprocess, reports its pid, then fails: the launcher must kill it
+    if g.rank == 0:
+        child = subprocess.Popen(["sleep", "600"])
+        raise RuntimeError(f"grandchild pid {child.pid}")
+    g.barrier()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_results_in_rank_order(run_ranks):  # noqa: F811
+    results = run_ranks(
+        report,
+        nprocs=3,
+        backend="auto",  # gloo, without an Ascend device
+        timeout=60,
+        args=(10.0,),
+        kwargs={"offset": 1},
+        env={"MS_LAYOUT_TEST_VAR": "x"},
+    )
+    assert [r[:3] for r in results] == [(rank, 61.0, (str(rank), "3", "x")) for rank in range(3)]
+    assert {r[4] for r in results} == {"gloo"}
+    pids = [r[3] for r in results]
+    assert len(set(pids)) == 3 and not any(_alive(p) for p in pids)
+
+
+def test_raising_rank_is_named_promptly():
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        run_local(raise_on_rank_1, 3, backend="gloo", timeout=60)
+    elapsed = time.monotonic() - start
+    assert info.value.rank == 1
+    assert "ValueError: boom from rank 1" in info.value.detail
+    assert "Traceback" in info.value.detail and "raise_on_rank_1" in info.value.detail
+    assert elapsed < 20, elapsed
+
+
+def test_exiting_rank_is_named_promptly():
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match="rank 2 failed") as info:
+        run_local(exit_on_rank_2, 3, backend="gloo", timeout=60)
+    assert "exited with code 3 without returning a result" in info.value.detail
+    assert time.monotonic() - start < 20
+
+
+def test_whole_run_timeout_names_the_stuck_rank():
+    start = time.monotonic()
+    with pytest.raises(CommError, match=r"timed out after 6 s: ranks \[1\] did not finish"):
+        run_local(sleep_on_rank_1, 2, backend="gloo", timeout=6)
+    assert time.monotonic() - start < 20
+
+
+def test_no_orphans_after_a_failure():
+    with pytest.raises(RankFailedError) as info:
+        run_local(leave_a_grandchild, 2, backend="gloo", timeout=60)
+    pid = int(info.value.detail.rsplit("grandchild pid ", 1)[1].split()[0])
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid)

@@ -45,3 +45,46 @@ def test_moe_dispatch_equals_dense(tiny_dirs):
     dense = model(ids).asnumpy()
     model.set_moe_impl("dispatch")
     np.testing.assert_allclose(model(ids).asnumpy(), dense, rtol=1e-5, atol=1e-5)
+
+
+VARIANTS = {
+    "llama-llama3-rope-biases": (
+        "llama",
+        dict(
+            attention_bias=True,
+            mlp_bias=True,
+            tie_word_embeddings=True,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+    ),
+    "llama-linear-rope-mha": (
+        "llama",
+        dict(num_key_value_heads=4, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    ),
+    # DeepSeek-V2-Lite style: full q_proj, no YaRN, rotate-half RoPE, two shared experts, no group limit.
+    "deepseek-no-q-lora": (
+        "deepseek_v3",
+        dict(q_lora_rank=None, rope_scaling=None, rope_interleave=False, n_shared_experts=2, n_group=1, topk_group=1),
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_config_variants_match_transformers(variant, tmp_path):
+    import mindspore as ms
+    import torch
+    from ms_models import from_pretrained, make_tiny
+
+    arch, overrides = VARIANTS[variant]
+    path = make_tiny(arch, tmp_path / variant, seed=3, **overrides)
+    ids = random_ids(2, 40, seed=4)  # past original_max_position_embeddings, where scaling matters
+    ours = from_pretrained(path)(ms.Tensor(ids)).asnumpy()
+    with torch.no_grad():
+        ref = hf_model(path)(torch.from_numpy(ids).long()).logits.numpy()
+    assert rel_err(ours, ref) < 1e-4

@@ -12,10 +12,12 @@ Checkpoints
     from_pretrained(path), from_config(config, seed), load_safetensors(model, path),
     save_safetensors(model, path), hf_state_dict(model), make_tiny(arch, path, seed).
 Paged cache
-    PagedMetadata, allocate_kv_caches(model, num_blocks, block_size), generate_greedy(...),
-    BlockAllocator.
+    model.forward_paged(...), model.allocate_kv_caches(...), PagedMetadata,
+    allocate_kv_caches(model, num_blocks, block_size), generate_greedy(model, prompts, n),
+    generate_greedy_recompute(model, prompt, n), BlockAllocator.
 Parallel layouts
-    model_layouts(model_or_config, parallel_config) -> {hf_name: ms_layout.ParamPlacement}.
+    model_layouts(model_or_config, parallel_config) -> {param name: ms_layout.ParamPlacement},
+    param_shapes(config) -> {param name: shape} (no model built).
 Errors
     ModelError (a ValueError).
 """
@@ -27,6 +29,7 @@ from .config import DecoderConfig, DeepseekV3Config, LlamaConfig, Qwen2Config, c
 from .deepseek_v3 import DeepseekV3ForCausalLM
 from .dense import LlamaForCausalLM, Qwen2ForCausalLM
 from .errors import ModelError
+from .generate import BlockAllocator, generate_greedy, generate_greedy_recompute
 from .io import (
     from_config,
     from_pretrained,
@@ -44,6 +47,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "TINY_CONFIGS",
+    "BlockAllocator",
     "CausalLM",
     "DecoderConfig",
     "DeepseekV3Config",
@@ -58,6 +62,8 @@ __all__ = [
     "config_from_dict",
     "from_config",
     "from_pretrained",
+    "generate_greedy",
+    "generate_greedy_recompute",
     "hf_state_dict",
     "load_config",
     "load_safetensors",

@@ -206,8 +206,28 @@ class TensorPlan:
         return out
 
     def rank_ops(self, rank: int) -> list[Op]:
-        """The ordered ops of one global rank (empty if the plan does not touch it)."""
-        return self.ops_by_rank().get(int(rank), [])
+        """The ordered ops of one global rank (empty if the plan does not touch it); the same
+        order as ops_by_rank, computed for this rank only."""
+        me = self.rank_id(rank)
+        if me < 0:
+            return []
+        ranks, out = self.ranks, []
+        for rnd in range(self.rounds):
+            if rnd == 0:
+                for i in np.flatnonzero(self.copy_id == me):
+                    out.append(Op(OpKind.COPY, 0, box_tuple(self.copy_box[i]), index=int(i)))
+            for i, col in enumerate(self.collectives):
+                if col.round == rnd and me in col.members:
+                    group = tuple(int(ranks[m]) for m in col.members)
+                    out.append(Op(col.kind, rnd, box_tuple(col.piece(me)), group=group, index=i))
+            mine = (self.xfer_round == rnd) & ((self.xfer_src == me) | (self.xfer_dst == me))
+            for i in np.flatnonzero(mine):
+                box = box_tuple(self.xfer_box[i])
+                if self.xfer_src[i] == me:
+                    out.append(Op(OpKind.SEND, rnd, box, peer=int(ranks[self.xfer_dst[i]]), index=int(i)))
+                else:
+                    out.append(Op(OpKind.RECV, rnd, box, peer=int(ranks[self.xfer_src[i]]), index=int(i)))
+        return out
 
     def sources_by_rank(self) -> dict[int, list[tuple[int, Box]]]:
         """For every target rank, (source rank, global box) of every piece of its target shard,

@@ -1,0 +1,144 @@
+"""Running one rank's part of a plan over a process group (ms_layout.comm), on numpy buffers.
+
+Every rank of the plan calls ``run_plan`` with the same plan; each walks its own op list
+(``TensorPlan.rank_ops``) round by round: local copies, then its collectives in the plan's global
+order, then all its sends and receives of the round as one ``batch_isend_irecv``. Because every
+rank meets the collectives in the same order and a round's messages only need peers that finished
+the previous rounds, the schedule cannot deadlock. Nothing here imports torch or MindSpore: the
+group is any object following ``ms_layout.comm.ProcessGroup``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from .errors import ReshardError
+from .local import contribution, local_slices, pack, place_result, unpack
+from .plan import OpKind, TensorPlan
+
+# gloo moves these dtypes; anything else (bfloat16, int16) travels as raw bits of a same-size one.
+_WIRE = {1: np.uint8, 2: np.float16, 4: np.int32, 8: np.int64}
+_GLOO_OK = {np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int8, np.uint8, np.int32, np.int64)}
+
+
+def wire(buf: np.ndarray) -> np.ndarray:
+    """A view of `buf` in a dtype the backend can move, bit for bit (no conversion)."""
+    if buf.dtype in _GLOO_OK:
+        return buf
+    if buf.dtype.itemsize not in _WIRE:
+        raise ReshardError(f"cannot move dtype {buf.dtype}")
+    return buf.view(_WIRE[buf.dtype.itemsize])
+
+
+def make_groups(plans: Iterable[TensorPlan], group) -> dict[tuple[int, ...], object]:
+    """Create the sub-groups of every collective this rank takes part in, in the plans' order
+    (only members create a group, as ms_layout.comm requires; the shared order avoids deadlock)."""
+    me, out = _global(group, group.rank), {}
+    for p in plans:
+        for ranks in p.iter_collective_groups():
+            if me in ranks and ranks not in out:
+                out[ranks] = group.new_group([_local(group, r) for r in ranks])
+    return out
+
+
+def _global(group, rank: int) -> int:
+    return int(group.ranks[rank])
+
+
+def _local(group, rank: int) -> int:
+    try:
+        return group.ranks.index(rank)
+    except ValueError:
+        raise ReshardError(f"plan rank {rank} is not in the process group {list(group.ranks)}") from None
+
+
+def run_plan(
+    plan: TensorPlan,
+    group,
+    src: np.ndarray | None,
+    out: np.ndarray | None,
+    subgroups: dict | None = None,
+    collectives: bool = True,
+    dtype: np.dtype | None = None,
+) -> None:
+    """This rank's part of `plan`: read from its source shard `src`, write its target shard `out`.
+
+    `src` is None on ranks outside the source layout, `out` None outside the target layout.
+    `dtype` is the source dtype, what travels (default: src's, else out's); values are cast to
+    out's dtype on arrival. With collectives=False (or when a sub-group is missing) collectives
+    run as point-to-point."""
+    me = _global(group, group.rank)
+    ops = plan.rank_ops(me)
+    in_src, in_dst = me in plan.src.ranks, me in plan.dst.ranks
+    if (src is None) == in_src or (out is None) == in_dst:
+        raise ReshardError(f"rank {me}: src given={src is not None}, out given={out is not None}; the plan says "
+                           f"{in_src=} {in_dst=}")  # fmt: skip
+    src_at = tuple(s.start for s in plan.src.global_slice(plan.shape, me)) if in_src else ()
+    dst_at = tuple(s.start for s in plan.dst.global_slice(plan.shape, me)) if in_dst else ()
+    subgroups = subgroups if subgroups is not None else {}
+    wire_dtype = np.dtype(dtype) if dtype is not None else (src.dtype if src is not None else out.dtype)
+    for rnd in range(plan.rounds):
+        batch, recvs = [], []
+        for op in (o for o in ops if o.round == rnd):
+            if op.kind is OpKind.COPY:
+                out[local_slices(op.box, dst_at)] = src[local_slices(op.box, src_at)]
+            elif op.kind is OpKind.SEND:
+                batch.append(("send", wire(pack(src, op.box, src_at)), op.peer))
+            elif op.kind is OpKind.RECV:
+                buf = np.empty(_elems(op.box), dtype=wire_dtype)
+                batch.append(("recv", wire(buf), op.peer))
+                recvs.append((op.box, buf))
+            elif collectives and op.group in subgroups:
+                _collective(plan, op.index, me, subgroups[op.group], src, src_at, out, dst_at)
+            else:
+                batch += _as_p2p(plan, op.index, me, src, src_at, recvs, out)
+        _exchange(group, batch)
+        for box, buf in recvs:
+            unpack(out, box, dst_at, buf)
+
+
+def _elems(box) -> int:
+    n = 1
+    for a, b in box:
+        n *= b - a
+    return n
+
+
+def _collective(plan, index, me, sub, src, src_at, out, dst_at) -> None:
+    col = plan.collectives[index]
+    buf = contribution(plan, index, me, src, src_at)
+    if col.kind is OpKind.ALL_GATHER:
+        result = sub.all_gather(wire(buf), axis=0)
+    else:
+        result = sub.all_to_all(wire(buf), split_axis=0, concat_axis=0)
+    place_result(plan, index, me, result.view(buf.dtype), out, dst_at)
+
+
+def _as_p2p(plan, index, me, src, src_at, recvs, out) -> list:
+    """A collective's transfers for this rank, as point-to-point entries of the round's batch."""
+    col = plan.collectives[index]
+    i = col.members.index(plan.rank_id(me))
+    entries = []
+    for j, m in enumerate(col.members):
+        if j == i:
+            continue
+        peer = int(plan.ranks[m])
+        mine = col.boxes[i] if col.kind is OpKind.ALL_GATHER else col.boxes[i, j]
+        theirs = col.boxes[j] if col.kind is OpKind.ALL_GATHER else col.boxes[j, i]
+        entries.append(("send", wire(pack(src, tuple(map(tuple, mine.tolist())), src_at)), peer))
+        buf = np.empty(col.elems, dtype=src.dtype)
+        entries.append(("recv", wire(buf), peer))
+        recvs.append((tuple(map(tuple, theirs.tolist())), buf))
+    return entries
+
+
+def _exchange(group, batch: list) -> None:
+    if not batch:
+        return
+    from ms_layout.comm import P2POp
+
+    works = group.batch_isend_irecv([P2POp(kind, buf, _local(group, peer)) for kind, buf, peer in batch])
+    for work in works:
+        work.wait()

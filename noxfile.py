@@ -97,6 +97,7 @@ def integration(session: nox.Session) -> None:
     """Tests that compose several packages and processes (msrun launches, multi-rank runs)."""
     for package in _packages():
         _install_package(session, package, "test")
+    session.install("psutil")  # to collect the workers msrun leaves behind
     session.run("pytest", str(ROOT / "integration_tests"), *session.posargs)
 
 

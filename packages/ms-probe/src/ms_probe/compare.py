@@ -1,0 +1,397 @@
+"""Compare two dumps: align items, compute metrics, judge them, name the first divergence.
+
+`compare_rank(target, golden, mapping)` compares one step of one rank; `compare_dirs(target_dir,
+golden_dir, mapping)` pairs every (step, rank) found on both sides and says which were not. Items
+align by (kind, mapped path, direction, call index): class names may differ between frameworks.
+Inside an aligned pair, data items align by key (after the mapping's data renames), and what is
+left pairs up in order among tensors of the same role, shape and dtype kind (`matched_by="order"`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ProbeError
+from .mapping import NameMapping
+from .metrics import stat_metrics, tensor_metrics
+from .reader import DataEntry, DumpItem, RankDump, find_rank_dirs, load_rank
+from .rules import Thresholds, module_verdict, row_status, worst
+
+log = logging.getLogger("ms_probe")
+
+
+@dataclass
+class Row:
+    """One compared data item (a CSV row)."""
+
+    item: str
+    key: str
+    role: str
+    target: str | None
+    golden: str | None
+    target_info: dict[str, Any] | None
+    golden_info: dict[str, Any] | None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    result: str = "unmatched"
+    message: str = ""
+    matched_by: str = ""
+
+
+@dataclass
+class ModuleResult:
+    """One target item (module call, API call or parameter gradients) and its verdict."""
+
+    name: str
+    golden: str | None
+    kind: str
+    direction: str
+    path: str
+    cls: str
+    order: int
+    parent: str | None
+    result: str
+    """pass / warning / error, or unmatched / skipped."""
+    source: bool = False
+    """Its rule verdict blames this module itself (outputs worse than its inputs)."""
+    reason: str = ""
+    d_in: float = 0.0
+    d_out: float = 0.0
+    stack: list[str] | None = None
+
+
+@dataclass
+class RankCompare:
+    """The comparison of one step on one rank."""
+
+    step: int | None
+    rank: int | None
+    mode: str
+    rows: list[Row]
+    modules: list[ModuleResult]
+    golden_only: list[tuple[str, str]]
+    """(golden item, why it has no counterpart)."""
+    first_divergence: str | None
+    first_divergence_reason: str
+    problems: list[str]
+    mapping: str
+    target_dir: str = ""
+    golden_dir: str = ""
+
+    def summary(self) -> dict[str, Any]:
+        counts: dict[str, int] = {}
+        for m in self.modules:
+            counts[m.result] = counts.get(m.result, 0) + 1
+        row_counts: dict[str, int] = {}
+        for r in self.rows:
+            row_counts[r.result] = row_counts.get(r.result, 0) + 1
+        matched = sum(1 for m in self.modules if m.golden is not None)
+        return {
+            "step": self.step,
+            "rank": self.rank,
+            "mode": self.mode,
+            "mapping": self.mapping,
+            "target_items": len(self.modules),
+            "aligned_items": matched,
+            "target_only": sum(1 for m in self.modules if m.result == "unmatched"),
+            "skipped": sum(1 for m in self.modules if m.result == "skipped"),
+            "golden_only": len(self.golden_only),
+            "item_results": counts,
+            "row_results": row_counts,
+            "first_divergence": self.first_divergence,
+            "first_divergence_reason": self.first_divergence_reason,
+            "problems": list(self.problems),
+        }
+
+
+# ---------------------------------------------------------------------- alignment keys
+def _target_key(item: DumpItem, mapping: NameMapping) -> tuple:
+    p = item.parsed
+    if p.kind == "api":
+        return ("api", mapping.map_api(f"{p.prefix}.{p.path}"), p.direction, p.index)
+    return (p.kind, mapping.map_path(p.path), p.direction, p.index)
+
+
+def _golden_key(item: DumpItem, mapping: NameMapping) -> tuple:
+    p = item.parsed
+    if p.kind == "api":
+        return ("api", f"{p.prefix}.{p.path}", p.direction, p.index)
+    return (p.kind, mapping.golden_key(p.path), p.direction, p.index)
+
+
+def dtype_kind(dtype: str) -> str:
+    """'f', 'i', 'b' or '?' from either framework's dtype spelling."""
+    d = dtype.lower()
+    if "bool" in d:
+        return "b"
+    if "float" in d or "half" in d or "double" in d:
+        return "f"
+    if "int" in d:
+        return "i"
+    return "?"
+
+
+def pair_entries(
+    t: DumpItem, g: DumpItem, mapping: NameMapping, golden_path: str
+) -> list[tuple[DataEntry | None, DataEntry | None, str]]:
+    """Pairs of (target entry, golden entry, how): by key first, then by order among compatible tensors."""
+    g_by_key = {e.key: e for e in g.entries}
+    used: set[str] = set()
+    pairs: list[tuple[DataEntry | None, DataEntry | None, str]] = []
+    left_t: list[DataEntry] = []
+    for e in t.entries:
+        key = mapping.map_data_key(golden_path, e.key)
+        ge = g_by_key.get(key)
+        if ge is not None and key not in used and ge.is_tensor == e.is_tensor:
+            used.add(key)
+            pairs.append((e, ge, "name"))
+        else:
+            left_t.append(e)
+    left_g = [e for e in g.entries if e.key not in used]
+    for e in left_t:
+        hit = None
+        if e.is_tensor:
+            for ge in left_g:
+                if (
+                    ge.is_tensor
+                    and ge.role == e.role
+                    and ge.shape == e.shape
+                    and dtype_kind(ge.dtype) == dtype_kind(e.dtype)
+                ):
+                    hit = ge
+                    break
+        if hit is not None:
+            left_g.remove(hit)
+            pairs.append((e, hit, "order"))
+        else:
+            pairs.append((e, None, ""))
+    pairs.extend((None, ge, "") for ge in left_g)
+    return pairs
+
+
+# ---------------------------------------------------------------------- one rank
+def _compare_pair(mode: str, td: RankDump, gd: RankDump, ti: DumpItem, gi: DumpItem, te, ge, th: Thresholds) -> Row:
+    row = Row(
+        ti.name if ti else gi.name,
+        te.key if te else ge.key,
+        (te or ge).role,
+        f"{ti.name}.{te.key}" if te else None,
+        f"{gi.name}.{ge.key}" if ge else None,
+        te.info if te else None,
+        ge.info if ge else None,
+    )
+    if te is None or ge is None:
+        row.result, row.message = "unmatched", ("only in target" if ge is None else "only in golden")
+        return row
+    if not (te.is_tensor and ge.is_tensor):
+        same = (
+            te.info.get("value") == ge.info.get("value")
+            if isinstance(te.info, dict) and isinstance(ge.info, dict)
+            else True
+        )
+        row.result, row.message = ("pass", "") if same else ("warning", "values differ")
+        return row
+    shape_ok = te.shape == ge.shape
+    metrics: dict[str, Any] = {}
+    row_mode = mode
+    if mode == "tensor" and shape_ok:
+        a, b = td.load_tensor(ti, te), gd.load_tensor(gi, ge)
+        if a is not None and b is not None and a.shape == b.shape:
+            metrics = tensor_metrics(a, b)
+        else:
+            row_mode = "statistics"
+            row.message = "tensor file unreadable; statistics compared"
+    if not metrics:
+        metrics = stat_metrics(te.info, ge.info)
+        row_mode = "statistics"
+    metrics["_mode"] = row_mode
+    metrics["_shape_ok"] = shape_ok
+    status, message = row_status(row_mode, metrics, shape_ok, th)
+    if te.dtype and ge.dtype and dtype_kind(te.dtype) != dtype_kind(ge.dtype):
+        message = (message + "; " if message else "") + f"dtype {te.dtype} vs {ge.dtype}"
+    row.metrics, row.result = metrics, status
+    row.message = "; ".join(x for x in (row.message, message) if x)
+    return row
+
+
+def compare_rank(
+    target: RankDump, golden: RankDump, mapping: NameMapping | None = None, thresholds: Thresholds | None = None
+) -> RankCompare:
+    """Compare one step of one rank."""
+    mapping = mapping or NameMapping()
+    th = thresholds or Thresholds()
+    mode = "tensor" if target.task == "tensor" and golden.task == "tensor" else "statistics"
+    problems = [f"target: {p}" for p in target.problems] + [f"golden: {p}" for p in golden.problems]
+    if {target.task, golden.task} == {"tensor", "statistics"}:
+        problems.append("one side dumped tensors and the other statistics: compared in statistics mode")
+    g_index: dict[tuple, DumpItem] = {}
+    for gi in golden.items.values():
+        g_index.setdefault(_golden_key(gi, mapping), gi)
+    used: set[str] = set()
+    rows: list[Row] = []
+    modules: list[ModuleResult] = []
+    row_groups: dict[str, list[Row]] = {}
+    for ti in sorted(target.items.values(), key=lambda i: i.order):
+        p = ti.parsed
+        mr = ModuleResult(
+            ti.name, None, p.kind, p.direction, p.path, p.cls, ti.order, ti.parent, "unmatched", stack=ti.stack
+        )
+        modules.append(mr)
+        reason = mapping.skip_reason("target", p.path) if p.kind != "api" else None
+        if reason:
+            mr.result, mr.reason = "skipped", reason
+            continue
+        gi = g_index.get(_target_key(ti, mapping))
+        if gi is None or gi.name in used:
+            mr.reason = "no golden item with this path, direction and call index"
+            continue
+        used.add(gi.name)
+        mr.golden = gi.name
+        group = []
+        for te, ge, how in pair_entries(ti, gi, mapping, gi.parsed.path):
+            row = _compare_pair(mode, target, golden, ti, gi, te, ge, th)
+            row.matched_by = how
+            group.append(row)
+        rows.extend(group)
+        row_groups[ti.name] = group
+    _judge(modules, row_groups, mode, th)
+    golden_only = []
+    for gi in sorted(golden.items.values(), key=lambda i: i.order):
+        if gi.name in used:
+            continue
+        why = mapping.skip_reason("golden", gi.parsed.path) if gi.parsed.kind != "api" else None
+        golden_only.append((gi.name, why or "no target item with this path, direction and call index"))
+    first, why = first_divergence(modules)
+    return RankCompare(
+        target.step,
+        target.rank,
+        mode,
+        rows,
+        modules,
+        golden_only,
+        first,
+        why,
+        problems,
+        mapping.name,
+        str(target.folder),
+        str(golden.folder),
+    )
+
+
+def _judge(modules: list[ModuleResult], groups: dict[str, list[Row]], mode: str, th: Thresholds) -> None:
+    """Module verdicts; a parameters_grad item is judged against its module's backward inputs."""
+    bwd_in: dict[str, float] = {}
+    for m in modules:
+        group = groups.get(m.name)
+        if group is None:
+            continue
+        matched = [r for r in group if r.golden and r.target and r.metrics]
+        row_mode = "tensor" if any(r.metrics.get("_mode") == "tensor" for r in matched) else "statistics"
+        row_mode = row_mode if mode == "tensor" else "statistics"
+        ins = [r.metrics for r in matched if r.role == "input"]
+        outs = [r.metrics for r in matched if r.role in ("output", "param_grad")]
+        params = [(r.key.split(".", 1)[-1], r.result, r.message) for r in group if r.role == "parameter" and r.golden]
+        override = None
+        if m.kind == "param_grad":
+            override = bwd_in.get(m.path)
+        status, reason, d_in, d_out = module_verdict(row_mode, ins, outs, params, th, override)
+        if m.kind == "module" and m.direction == "backward":
+            bwd_in[m.path] = d_in
+        rows_worst = worst(*(r.result for r in group if r.role in ("output", "parameter", "param_grad")))
+        m.result = worst(status, rows_worst)
+        m.source = status != "pass"
+        m.reason = reason or (
+            "an output row is flagged but so are its inputs (inherited)" if m.result != "pass" else ""
+        )
+        m.d_in, m.d_out = d_in, d_out
+    # A parameters_grad item is written before its module's backward item: judge it again now.
+    for m in modules:
+        if m.kind == "param_grad" and m.path in bwd_in and m.name in groups:
+            group = groups[m.name]
+            outs = [r.metrics for r in group if r.golden and r.target and r.metrics]
+            row_mode = (
+                "statistics"
+                if mode != "tensor"
+                else ("tensor" if any(x.get("_mode") == "tensor" for x in outs) else "statistics")
+            )
+            status, reason, d_in, d_out = module_verdict(row_mode, [], outs, [], th, bwd_in[m.path])
+            m.result = worst(status, worst(*(r.result for r in group)))
+            m.source, m.reason, m.d_in, m.d_out = status != "pass", reason, d_in, d_out
+
+
+def first_divergence(modules: list[ModuleResult]) -> tuple[str | None, str]:
+    """The first source in execution order: forward items as they completed, then backward items."""
+    for direction in ("forward", "backward"):
+        for m in sorted(modules, key=lambda x: x.order):
+            if m.direction == direction and m.source:
+                return m.name, m.reason
+    return None, ""
+
+
+# ---------------------------------------------------------------------- folders
+@dataclass
+class CompareRun:
+    """Every (step, rank) compared between two dump folders."""
+
+    ranks: list[RankCompare]
+    problems: list[str]
+
+    def summary(self) -> dict[str, Any]:
+        first = next((r for r in self.ranks if r.first_divergence), None)
+        return {
+            "compared": [{"step": r.step, "rank": r.rank} for r in self.ranks],
+            "first_divergence": first.first_divergence if first else None,
+            "first_divergence_rank": first.rank if first else None,
+            "first_divergence_step": first.step if first else None,
+            "first_divergence_reason": first.first_divergence_reason if first else "",
+            "aligned_items": sum(r.summary()["aligned_items"] for r in self.ranks),
+            "target_only": sum(r.summary()["target_only"] for r in self.ranks),
+            "golden_only": sum(r.summary()["golden_only"] for r in self.ranks),
+            "skipped": sum(r.summary()["skipped"] for r in self.ranks),
+            "problems": list(self.problems) + [p for r in self.ranks for p in r.problems],
+            "per_rank": [r.summary() for r in self.ranks],
+        }
+
+
+def compare_dirs(
+    target_dir: str,
+    golden_dir: str,
+    mapping: NameMapping | None = None,
+    thresholds: Thresholds | None = None,
+    steps: list[int] | None = None,
+    ranks: list[int] | None = None,
+) -> CompareRun:
+    """Compare every (step, rank) present on both sides; mismatches are reported, not fatal."""
+    t_dirs, g_dirs = find_rank_dirs(target_dir), find_rank_dirs(golden_dir)
+    problems: list[str] = []
+
+    def keep(key):
+        return (not steps or key[0] in steps) and (not ranks or key[1] in ranks)
+
+    t_dirs = {k: v for k, v in t_dirs.items() if keep(k)}
+    g_dirs = {k: v for k, v in g_dirs.items() if keep(k)}
+    pairs = [(k, t_dirs[k], g_dirs[k]) for k in sorted(t_dirs, key=str) if k in g_dirs]
+    if not pairs and len(t_dirs) == 1 and len(g_dirs) == 1:
+        (tk, tv), (gk, gv) = next(iter(t_dirs.items())), next(iter(g_dirs.items()))
+        problems.append(
+            f"target is step {tk[0]} rank {tk[1]}, golden step {gk[0]} rank {gk[1]}: compared with each other"
+        )
+        pairs = [(tk, tv, gv)]
+    else:
+        for k in sorted(set(t_dirs) - set(g_dirs), key=str):
+            problems.append(f"step {k[0]} rank {k[1]}: only in the target dump ({t_dirs[k]}), not compared")
+        for k in sorted(set(g_dirs) - set(t_dirs), key=str):
+            problems.append(f"step {k[0]} rank {k[1]}: only in the golden dump ({g_dirs[k]}), not compared")
+    if not pairs:
+        raise ProbeError(
+            f"no step/rank in common between {target_dir!r} ({sorted(t_dirs, key=str)}) "
+            f"and {golden_dir!r} ({sorted(g_dirs, key=str)})"
+        )
+    results = []
+    for key, tdir, gdir in pairs:
+        td, gd = load_rank(tdir, key[0], key[1]), load_rank(gdir, key[0], key[1])
+        results.append(compare_rank(td, gd, mapping, thresholds))
+    for p in problems:
+        log.warning("ms-probe compare: %s", p)
+    return CompareRun(results, problems)

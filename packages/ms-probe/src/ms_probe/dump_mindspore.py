@@ -1,0 +1,273 @@
+"""The MindSpore dumper: PyNative Cell hooks (level L0), wrapped functional ops (L1/mix) and
+parameter-gradient hooks, feeding the framework-neutral Recorder.
+
+mindspore.jit (measured on MindSpore 2.10, shared/reference/mindspore_cpu.md §6 and this package's
+tests): hooks on Cells that run inside a jit function or GRAPH_MODE never fire; a hook on a Cell
+whose own `construct` is jit-decorated still fires at its boundary. Hooks registered on the
+sub-cells of a jit construct can even break its compilation (a hook with a default argument or a
+print() failed to compile), so this dumper does not hook below a jit construct. With
+`jit="pynative"` the dumped steps run every jit function eagerly instead: MindSpore's jit wrapper
+calls the plain Python function when the environment variable MS_JIT is "0" (checked at each call),
+and a GRAPH_MODE context is switched to PyNative for the step and back afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+from .recorder import Recorder, call_stack
+
+log = logging.getLogger("ms_probe")
+
+# Functional APIs wrapped at level L1/mix: (module path, msprobe prefix). Only plain Python functions
+# are wrapped; primitives called through `ops.operations` are not.
+API_NAMESPACES = (
+    ("mindspore.ops", "Functional"),
+    ("mindspore.mint", "Mint"),
+    ("mindspore.mint.nn.functional", "MintFunctional"),
+)
+TENSOR_METHODS = (
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+    "__matmul__", "__pow__", "__neg__", "__getitem__", "matmul", "mean", "sum", "exp", "log", "sqrt",
+    "rsqrt", "pow", "abs", "max", "min", "softmax", "astype", "float",
+)  # fmt: skip
+
+
+class MindSporeAdapter:
+    """MindSpore tensors for the Recorder."""
+
+    framework = "mindspore"
+    prefix = "Cell"
+    type_name = "mindspore.Tensor"
+
+    def __init__(self):
+        import mindspore as ms
+
+        self._tensor = ms.Tensor
+        self._dtype = ms.dtype.Type
+
+    def is_tensor(self, x: Any) -> bool:
+        return isinstance(x, self._tensor)
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        a = x.asnumpy()
+        if a.dtype.kind == "V" or a.dtype.name == "bfloat16":  # ml_dtypes bfloat16: numpy cannot reduce it
+            a = a.astype(np.float32)
+        return a
+
+    def dtype_name(self, x: Any) -> str:
+        return str(x.dtype)
+
+    def requires_grad(self, x: Any) -> bool | None:
+        return None
+
+    def other_info(self, x: Any) -> dict[str, Any] | None:
+        if isinstance(x, self._dtype):
+            return {"type": "mindspore.dtype", "value": str(x)}
+        return None
+
+
+def is_jit_function(fn: Any) -> bool:
+    """Whether `fn` (a function or bound method) is wrapped by mindspore.jit."""
+    fn = getattr(fn, "__func__", fn)
+    return bool(getattr(fn, "__wrapped_by_jit__", False))
+
+
+class MindSporeDumper:
+    """Hooks every sub-cell of `models` (the models themselves are not dumped, as in msprobe)."""
+
+    def __init__(self, recorder: Recorder, models: list[tuple[str, Any]]):
+        self.recorder = recorder
+        self.models = models
+        self.handles: list[Any] = []
+        self.jit_cells: list[str] = []
+        self._patched: list[tuple[Any, str, Any]] = []
+        self._local = threading.local()
+        self._switched = False
+        self._saved_env: str | None = None
+        self._saved_mode: int | None = None
+
+    # ------------------------------------------------------------------ attach / detach
+    def attach(self) -> None:
+        for prefix, model in self.models:
+            self._attach_model(prefix, model)
+        if self.recorder.cfg.level in ("L1", "mix"):
+            self._patch_apis()
+        if self.jit_cells:
+            log.warning(
+                "ms-probe: %d Cell(s) have a mindspore.jit construct (%s%s): with jit=%r only their inputs and outputs "
+                "are dumped, not the cells inside them%s",
+                len(self.jit_cells),
+                ", ".join(self.jit_cells[:3]),
+                ", ..." if len(self.jit_cells) > 3 else "",
+                self.recorder.cfg.jit,
+                "; jit='pynative' dumps them too" if self.recorder.cfg.jit == "boundary" else "",
+            )
+
+    def _attach_model(self, prefix: str, model: Any) -> None:
+        import mindspore as ms
+
+        if is_jit_function(type(model).construct) and self.recorder.cfg.jit == "boundary":
+            self.jit_cells.append(prefix or type(model).__name__)
+        names = dict(model.cells_and_names())
+        blocked: list[str] = []
+        for name, cell in names.items():
+            if not name:
+                continue
+            path = f"{prefix}.{name}" if prefix else name
+            if any(name.startswith(b + ".") for b in blocked):
+                continue  # below a jit construct: the hooks would never fire and may break compilation
+            if is_jit_function(type(cell).construct) and self.recorder.cfg.jit == "boundary":
+                self.jit_cells.append(path)
+                blocked.append(name)
+            parent_name = name.rsplit(".", 1)[0] if "." in name else ""
+            parent = None
+            if parent_name and parent_name in names:
+                parent_path = f"{prefix}.{parent_name}" if prefix else parent_name
+                parent = (parent_path, type(names[parent_name]).__name__)
+            self._hook_cell(cell, path, type(cell).__name__, parent)
+        if ms.get_context("mode") == ms.GRAPH_MODE and self.recorder.cfg.jit == "boundary":
+            log.warning(
+                "ms-probe: MindSpore is in GRAPH_MODE, where Cell hooks never fire: the dump will be empty; "
+                "use PrecisionDebugger(jit='pynative') to run the dumped steps in PyNative"
+            )
+
+    def _hook_cell(self, cell, path: str, cls: str, parent: tuple[str, str] | None) -> None:
+        rec = self.recorder
+        local = self._local
+
+        # Plain closures without default arguments: MindSpore parses hooks when it compiles a jit
+        # graph, and a default argument made that parse fail (measured).
+        def pre(c, args, kwargs):
+            if rec.active and not getattr(local, "busy", False):
+                local.busy = True
+                try:
+                    rec.forward_pre(path, cls, args, kwargs)
+                finally:
+                    local.busy = False
+
+        def post(c, args, out):
+            if rec.active and not getattr(local, "busy", False):
+                local.busy = True
+                try:
+                    rec.forward_post(path, out, list(own_params))
+                finally:
+                    local.busy = False
+
+        def bwd(c, grad_input, grad_output):
+            if rec.active:
+                local.busy = True
+                try:
+                    rec.backward(path, cls, grad_input, grad_output, parent)
+                finally:
+                    local.busy = False
+
+        own_params = [(p.name.rsplit(".", 1)[-1], p) for p in cell.get_parameters(expand=False)]
+        self.handles.append(cell.register_forward_pre_hook(pre, with_kwargs=True))
+        self.handles.append(cell.register_forward_hook(post))
+        self.handles.append(cell.register_backward_hook(bwd))
+        for pname, param in own_params:
+            if param.requires_grad:
+                self.handles.append(param.register_hook(self._grad_hook(path, cls, pname, len(own_params))))
+
+    def _grad_hook(self, path: str, cls: str, pname: str, expected: int):
+        rec = self.recorder
+
+        def hook(grad):
+            if rec.active:
+                rec.param_grad(path, cls, pname, grad, expected)
+
+        return hook
+
+    def _patch_apis(self) -> None:
+        import importlib
+        import types
+
+        import mindspore as ms
+
+        for module_name, prefix in API_NAMESPACES:
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:
+                continue
+            for attr in dir(module):
+                fn = getattr(module, attr, None)
+                if attr.startswith("_") or not isinstance(fn, types.FunctionType) or is_jit_function(fn):
+                    continue
+                self._patch(module, attr, self._wrap(fn, prefix, attr))
+        for attr in TENSOR_METHODS:
+            fn = getattr(ms.Tensor, attr, None)
+            if fn is not None:
+                self._patch(ms.Tensor, attr, self._wrap(fn, "Tensor", attr))
+
+    def _patch(self, owner: Any, attr: str, new: Any) -> None:
+        self._patched.append((owner, attr, owner.__dict__.get(attr, _MISSING)))
+        setattr(owner, attr, new)
+
+    def _wrap(self, fn, prefix: str, api: str):
+        rec, local = self.recorder, self._local
+
+        def wrapper(*args, **kwargs):
+            if not rec.active or getattr(local, "busy", False):
+                return fn(*args, **kwargs)
+            local.busy = True  # nested API calls inside this one are not dumped (msprobe keeps the outermost)
+            try:
+                out = fn(*args, **kwargs)
+                rec.api_call(prefix, api, args, kwargs, out, call_stack(2))
+            finally:
+                local.busy = False
+            return out
+
+        wrapper.__wrapped__ = fn
+        wrapper.__name__ = getattr(fn, "__name__", api)
+        return wrapper
+
+    def detach(self) -> None:
+        for h in self.handles:
+            try:
+                h.remove()
+            except Exception:
+                pass
+        self.handles.clear()
+        for owner, attr, old in reversed(self._patched):
+            if old is _MISSING:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, old)
+        self._patched.clear()
+
+    # ------------------------------------------------------------------ jit handling per step
+    def on_start(self) -> None:
+        if self.recorder.cfg.jit != "pynative" or not self.recorder.step_selected:
+            return
+        import mindspore as ms
+
+        self._switched = True
+        self._saved_env = os.environ.get("MS_JIT")
+        os.environ["MS_JIT"] = "0"
+        if ms.get_context("mode") == ms.GRAPH_MODE:
+            self._saved_mode = ms.GRAPH_MODE
+            ms.set_context(mode=ms.PYNATIVE_MODE)
+
+    def on_stop(self) -> None:
+        if not self._switched:
+            return
+        import mindspore as ms
+
+        self._switched = False
+        if self._saved_env is None:
+            os.environ.pop("MS_JIT", None)
+        else:
+            os.environ["MS_JIT"] = self._saved_env
+        self._saved_env = None
+        if self._saved_mode is not None:
+            ms.set_context(mode=self._saved_mode)
+            self._saved_mode = None
+
+
+_MISSING = object()

@@ -1,0 +1,184 @@
+"""The PyTorch dumper: module forward hooks and full backward hooks (level L0), every torch API
+call through a TorchFunctionMode (L1/mix) and parameter-gradient hooks, feeding the same Recorder
+as MindSpore, so both write the same format (`Module.` instead of `Cell.`).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+import numpy as np
+
+from .recorder import Recorder, call_stack
+
+# Torch warns once per module whose output is not a tensor (HF ModelOutput) or whose inputs need no
+# grad; both are expected here and say nothing to the user.
+_QUIET = (
+    r"For backward hooks to be called, module output should be a Tensor",
+    r"Full backward hook is firing when gradients are computed with respect to module outputs",
+)
+# Tensor attribute reads and bookkeeping calls that TorchFunctionMode also sees; not APIs worth a row.
+_SKIP_APIS = {"__get__", "__set__", "dim", "size", "numel", "is_floating_point", "is_complex", "__len__", "stride"}
+
+
+def _worth_a_row(name: str, out: Any, adapter: TorchAdapter) -> bool:
+    """Public APIs and operators (dunders) that return a tensor."""
+    if name in _SKIP_APIS or (name.startswith("_") and not (name.startswith("__") and name.endswith("__"))):
+        return False
+    if isinstance(out, (tuple, list)):
+        return any(adapter.is_tensor(o) for o in out)
+    return adapter.is_tensor(out)
+
+
+class TorchAdapter:
+    """PyTorch tensors for the Recorder."""
+
+    framework = "pytorch"
+    prefix = "Module"
+    type_name = "torch.Tensor"
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+
+    def is_tensor(self, x: Any) -> bool:
+        return isinstance(x, self.torch.Tensor)
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        t = x.detach()
+        if t.dtype == self.torch.bfloat16:
+            t = t.float()
+        return t.cpu().numpy()
+
+    def dtype_name(self, x: Any) -> str:
+        return str(x.dtype)
+
+    def requires_grad(self, x: Any) -> bool | None:
+        return bool(x.requires_grad)
+
+    def other_info(self, x: Any) -> dict[str, Any] | None:
+        if isinstance(x, self.torch.dtype):
+            return {"type": "torch.dtype", "value": str(x)}
+        if isinstance(x, self.torch.device):
+            return {"type": "torch.device", "value": str(x)}
+        return None
+
+
+def api_prefix_and_name(func: Any) -> tuple[str, str]:
+    """msprobe's prefix for a torch callable: Tensor methods, Functional (torch.nn.functional), Torch."""
+    name = getattr(func, "__name__", None) or type(func).__name__
+    objclass = getattr(func, "__objclass__", None)
+    module = getattr(func, "__module__", "") or ""
+    if objclass is not None and objclass.__name__ in ("TensorBase", "Tensor", "_TensorBase"):
+        return "Tensor", name
+    if module.startswith("torch._tensor") or getattr(func, "__qualname__", "").startswith("Tensor."):
+        return "Tensor", name
+    if module == "torch.nn.functional":
+        return "Functional", name
+    return "Torch", name
+
+
+class TorchDumper:
+    """Hooks every sub-module of `models` (the models themselves are not dumped, as in msprobe)."""
+
+    def __init__(self, recorder: Recorder, models: list[tuple[str, Any]]):
+        self.recorder = recorder
+        self.models = models
+        self.handles: list[Any] = []
+        self.jit_cells: list[str] = []
+        self._local = threading.local()
+        self._mode = None
+        self._filters: list[tuple] = []
+
+    def attach(self) -> None:
+        for message in _QUIET:
+            warnings.filterwarnings("ignore", message=message, category=UserWarning)
+            self._filters.append(warnings.filters[0])
+        for prefix, model in self.models:
+            modules = dict(model.named_modules())
+            for name, module in modules.items():
+                if not name:
+                    continue
+                path = f"{prefix}.{name}" if prefix else name
+                parent_name = name.rsplit(".", 1)[0] if "." in name else ""
+                parent = None
+                if parent_name and parent_name in modules:
+                    parent = (f"{prefix}.{parent_name}" if prefix else parent_name, type(modules[parent_name]).__name__)
+                self._hook_module(module, path, type(module).__name__, parent)
+
+    def _guarded(self, fn, *args) -> None:
+        if self.recorder.active and not getattr(self._local, "busy", False):
+            self._local.busy = True
+            try:
+                fn(*args)
+            finally:
+                self._local.busy = False
+
+    def _hook_module(self, module, path: str, cls: str, parent: tuple[str, str] | None) -> None:
+        rec = self.recorder
+        own_params = list(module.named_parameters(recurse=False))
+
+        def pre(m, args, kwargs):
+            self._guarded(rec.forward_pre, path, cls, args, kwargs)
+
+        def post(m, args, out):
+            self._guarded(rec.forward_post, path, out, own_params)
+
+        def bwd(m, grad_input, grad_output):
+            self._guarded(rec.backward, path, cls, grad_input, grad_output, parent)
+
+        self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        self.handles.append(module.register_forward_hook(post))
+        self.handles.append(module.register_full_backward_hook(bwd))
+        for pname, param in own_params:
+            if param.requires_grad:
+                self.handles.append(param.register_hook(self._grad_hook(path, cls, pname, len(own_params))))
+
+    def _grad_hook(self, path: str, cls: str, pname: str, expected: int):
+        def hook(grad):
+            self._guarded(self.recorder.param_grad, path, cls, pname, grad, expected)
+
+        return hook
+
+    def detach(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        for f in self._filters:
+            if f in warnings.filters:
+                warnings.filters.remove(f)
+        self._filters.clear()
+
+    # ------------------------------------------------------------------ API level through TorchFunctionMode
+    def on_start(self) -> None:
+        if self.recorder.cfg.level not in ("L1", "mix") or not self.recorder.step_selected:
+            return
+        from torch.overrides import TorchFunctionMode
+
+        dumper = self
+
+        class _ApiMode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                local = dumper._local
+                if dumper.recorder.active and not getattr(local, "busy", False):
+                    prefix, name = api_prefix_and_name(func)
+                    if _worth_a_row(name, out, dumper.recorder.adapter):
+                        local.busy = True
+                        try:
+                            dumper.recorder.api_call(prefix, name, args, kwargs, out, call_stack(2))
+                        finally:
+                            local.busy = False
+                return out
+
+        self._mode = _ApiMode()
+        self._mode.__enter__()
+
+    def on_stop(self) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None

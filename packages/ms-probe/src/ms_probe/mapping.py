@@ -1,0 +1,253 @@
+"""Name mappings between two module trees (YAML), target side to golden side.
+
+A mapping file:
+
+    name: mindformers-megatron-llama
+    target: MindSpore Transformers training_graph          # free text
+    golden: Megatron-core (local spec)
+    strip: {target: [], golden: ["module.module.", "module."]}   # wrapper prefixes dropped first
+    modules:                          # path templates, first match wins; other paths map to themselves
+      - {target: "model.decoder.layers.{i}.self_attention.linear_qb",
+         golden: "decoder.layers.{i}.self_attention.linear_q_up_proj"}
+      - {target: "model.{rest*}", golden: "{rest*}"}
+    skip:                             # modules with no counterpart on one side, and why
+      - {side: target, path: "model.loss{rest*}", reason: "the loss Cell is MindFormers only"}
+    data:                             # data-key renames inside matching modules
+      - {path: "{p*}.self_attn", target: "input.0", golden: "input.hidden_states"}
+    api: {Functional.matmul: Torch.matmul}
+
+`{x}` matches one path segment, `{x*}` any dotted rest (possibly empty); templates work in both
+directions, so `mapping.reversed()` maps golden to target. Class names are not part of a path:
+items align by path, direction and call index, so `Linear` and `ColumnParallelLinear` still meet.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import yaml
+
+from .errors import ProbeError
+
+_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(\*?)\}")
+
+
+@dataclass(frozen=True)
+class Template:
+    """A dotted path with `{x}` (one segment) and `{x*}` (any rest) placeholders."""
+
+    text: str
+
+    def regex(self) -> re.Pattern:
+        parts, pos = [], 0
+        for m in _PLACEHOLDER.finditer(self.text):
+            parts.append(re.escape(self.text[pos : m.start()]))
+            parts.append(f"(?P<{m[1]}>.*)" if m[2] else f"(?P<{m[1]}>[^.]+)")
+            pos = m.end()
+        parts.append(re.escape(self.text[pos:]))
+        return re.compile("^" + "".join(parts) + "$")
+
+    def match(self, path: str) -> dict[str, str] | None:
+        m = self.regex().match(path)
+        return m.groupdict() if m else None
+
+    def fill(self, values: dict[str, str]) -> str:
+        def sub(m: re.Match) -> str:
+            if m[1] not in values:
+                raise ProbeError(f"template {self.text!r} uses {{{m[1]}}}, which its other side does not define")
+            return values[m[1]]
+
+        out = _PLACEHOLDER.sub(sub, self.text)
+        return re.sub(r"\.\.+", ".", out).strip(".")
+
+
+@dataclass
+class Rule:
+    target: Template
+    golden: Template
+
+
+@dataclass
+class SkipRule:
+    side: str
+    path: Template
+    reason: str
+
+
+@dataclass
+class DataRule:
+    path: Template
+    target: str
+    golden: str
+
+
+@dataclass
+class NameMapping:
+    """Target-to-golden module paths, skips, data-key renames and API renames."""
+
+    name: str = "identity"
+    description: str = ""
+    rules: list[Rule] = field(default_factory=list)
+    skips: list[SkipRule] = field(default_factory=list)
+    data: list[DataRule] = field(default_factory=list)
+    api: dict[str, str] = field(default_factory=dict)
+    strip_target: list[str] = field(default_factory=list)
+    strip_golden: list[str] = field(default_factory=list)
+    source: str = ""
+
+    # ------------------------------------------------------------------ use
+    @staticmethod
+    def _strip(path: str, prefixes: list[str]) -> str:
+        for p in prefixes:
+            if path.startswith(p):
+                return path[len(p) :]
+        return path
+
+    def golden_key(self, golden_path: str) -> str:
+        """A golden-side module path, normalised (wrapper prefixes removed)."""
+        return self._strip(golden_path, self.strip_golden)
+
+    def map_path(self, target_path: str) -> str:
+        """The golden path a target module path corresponds to (identity when no rule matches)."""
+        path = self._strip(target_path, self.strip_target)
+        for rule in self.rules:
+            values = rule.target.match(path)
+            if values is not None:
+                return rule.golden.fill(values)
+        return path
+
+    def skip_reason(self, side: str, path: str) -> str | None:
+        """Why a module on `side` ("target"/"golden") has no counterpart, or None."""
+        path = self._strip(path, self.strip_target if side == "target" else self.strip_golden)
+        for s in self.skips:
+            if s.side == side and s.path.match(path) is not None:
+                return s.reason
+        return None
+
+    def map_data_key(self, golden_path: str, key: str) -> str:
+        """A target data key (`input.0`) renamed to the golden module's key (`input.hidden_states`)."""
+        for d in self.data:
+            if d.target == key and d.path.match(golden_path) is not None:
+                return d.golden
+        return key
+
+    def map_api(self, name: str) -> str:
+        """`Functional.matmul` -> `Torch.matmul` (API names without the call index)."""
+        return self.api.get(name, name)
+
+    def reversed(self) -> NameMapping:
+        """The same mapping read from the golden side."""
+        return NameMapping(
+            name=f"{self.name} (reversed)",
+            description=self.description,
+            rules=[Rule(r.golden, r.target) for r in self.rules],
+            skips=[SkipRule("golden" if s.side == "target" else "target", s.path, s.reason) for s in self.skips],
+            data=[DataRule(d.path, d.golden, d.target) for d in self.data],
+            api={v: k for k, v in self.api.items()},
+            strip_target=list(self.strip_golden),
+            strip_golden=list(self.strip_target),
+            source=self.source,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "strip": {"target": self.strip_target, "golden": self.strip_golden},
+            "modules": [{"target": r.target.text, "golden": r.golden.text} for r in self.rules],
+            "skip": [{"side": s.side, "path": s.path.text, "reason": s.reason} for s in self.skips],
+            "data": [{"path": d.path.text, "target": d.target, "golden": d.golden} for d in self.data],
+            "api": dict(self.api),
+        }
+
+
+# ---------------------------------------------------------------------- loading
+def _need(d: dict, key: str, where: str) -> Any:
+    if key not in d:
+        raise ProbeError(f"{where}: missing key {key!r}")
+    return d[key]
+
+
+def _template(text: Any, where: str) -> Template:
+    if not isinstance(text, str):
+        raise ProbeError(f"{where}: {text!r} is not a path template string")
+    t = Template(text)
+    try:
+        t.regex()
+    except re.error as e:
+        raise ProbeError(f"{where}: template {text!r} is invalid ({e})") from None
+    return t
+
+
+def mapping_from_dict(raw: Any, source: str = "<dict>") -> NameMapping:
+    """Build and check a NameMapping from the YAML structure."""
+    if not isinstance(raw, dict):
+        raise ProbeError(f"mapping {source}: expected a mapping object, got {type(raw).__name__}")
+    m = NameMapping(name=str(raw.get("name", os.path.basename(source))), description=str(raw.get("description", "")))
+    m.source = source
+    strip = raw.get("strip") or {}
+    m.strip_target = [str(s) for s in strip.get("target", [])]
+    m.strip_golden = [str(s) for s in strip.get("golden", [])]
+    for i, r in enumerate(raw.get("modules") or []):
+        where = f"mapping {source}: modules[{i}]"
+        if not isinstance(r, dict):
+            raise ProbeError(f"{where}: expected {{target: ..., golden: ...}}, got {r!r}")
+        rule = Rule(_template(_need(r, "target", where), where), _template(_need(r, "golden", where), where))
+        names_t = {x[0] for x in _PLACEHOLDER.findall(rule.target.text)}
+        names_g = {x[0] for x in _PLACEHOLDER.findall(rule.golden.text)}
+        if names_t != names_g:
+            raise ProbeError(f"{where}: placeholders differ between sides ({sorted(names_t)} vs {sorted(names_g)})")
+        m.rules.append(rule)
+    for i, s in enumerate(raw.get("skip") or []):
+        where = f"mapping {source}: skip[{i}]"
+        side = _need(s, "side", where)
+        if side not in ("target", "golden"):
+            raise ProbeError(f"{where}: side {side!r} must be 'target' or 'golden'")
+        m.skips.append(SkipRule(side, _template(_need(s, "path", where), where), str(s.get("reason", ""))))
+    for i, d in enumerate(raw.get("data") or []):
+        where = f"mapping {source}: data[{i}]"
+        m.data.append(
+            DataRule(
+                _template(_need(d, "path", where), where),
+                str(_need(d, "target", where)),
+                str(_need(d, "golden", where)),
+            )
+        )
+    api = raw.get("api") or {}
+    if not isinstance(api, dict):
+        raise ProbeError(f"mapping {source}: api must map target API names to golden ones")
+    m.api = {str(k): str(v) for k, v in api.items()}
+    return m
+
+
+def shipped_mappings() -> dict[str, str]:
+    """{name: description} of the mappings shipped with ms-probe."""
+    out = {}
+    for f in sorted(resources.files("ms_probe").joinpath("mappings").iterdir(), key=lambda p: p.name):
+        if f.name.endswith(".yaml"):
+            raw = yaml.safe_load(f.read_text())
+            out[f.name[:-5]] = str(raw.get("description", "")).strip().splitlines()[0] if raw.get("description") else ""
+    return out
+
+
+def load_mapping(name_or_path: str | os.PathLike, reverse: bool = False) -> NameMapping:
+    """A shipped mapping by name (see `shipped_mappings()`) or a YAML file; `reverse` reads it golden->target."""
+    text = os.fspath(name_or_path)
+    if os.path.exists(text):
+        try:
+            with open(text) as f:
+                raw = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ProbeError(f"mapping file {text!r} is not valid YAML: {e}") from None
+        m = mapping_from_dict(raw, text)
+    else:
+        shipped = shipped_mappings()
+        if text not in shipped:
+            raise ProbeError(f"mapping {text!r} is neither a file nor a shipped mapping ({', '.join(shipped)})")
+        res = resources.files("ms_probe").joinpath("mappings", f"{text}.yaml")
+        m = mapping_from_dict(yaml.safe_load(res.read_text()), f"{text} (shipped)")
+    return m.reversed() if reverse else m

@@ -68,9 +68,19 @@ def _variants() -> list[str]:
     return out
 
 
+def _preinstall(session: nox.Session, package: str) -> None:
+    """Installs a package declares it needs before its own, e.g. vLLM without its CUDA stack:
+    `[tool.ms-toolkit] nox-preinstall = [["--no-deps", "vllm==0.33.0"]]` in its pyproject.toml."""
+    for args in _pyproject(package).get("tool", {}).get("ms-toolkit", {}).get("nox-preinstall", []):
+        session.install(*args)
+
+
 def _install_package(session: nox.Session, package: str, extra: str) -> None:
     for dep in _local_deps(package):
+        _preinstall(session, dep)
         session.install("-e", str(PACKAGES_DIR / dep))
+    if extra != "test-core":
+        _preinstall(session, package)
     session.install("-e", f"{PACKAGES_DIR / package}[{extra}]")
 
 

@@ -130,4 +130,5 @@ def bench(session: nox.Session) -> None:
     for script in sorted((ROOT / "benchmarks").glob("bench_*.py")):
         name = script.stem.removeprefix("bench_")
         session.run("python", str(script), "--out", str(results / f"{name}.json"), *session.posargs)
-    session.run("python", str(ROOT / "benchmarks" / "summary.py"), str(results))
+    summary = ROOT / "benchmarks" / "summary.py"
+    session.run("python", str(summary), str(results), "--markdown", str(ROOT / "docs" / "benchmarks.md"))

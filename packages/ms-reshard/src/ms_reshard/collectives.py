@@ -40,17 +40,24 @@ def find_collectives(
         return []
     label = components(sender, recv, n_ids)
     comp = label[sender]
-    ids = np.unique(np.r_[sender, recv])
-    size = np.bincount(label[ids], minlength=n_ids)
+    involved = np.zeros(n_ids, dtype=bool)
+    involved[sender] = involved[recv] = True
+    size = np.bincount(label[involved], minlength=n_ids)
     n_xfer = np.bincount(comp, minlength=n_ids)
+    ok = (size >= 2) & (n_xfer == size * (size - 1))
+    if not ok.any():
+        return []
     elems = box_elems(boxes)
     lo = np.full(n_ids, np.iinfo(np.int64).max)
     hi = np.zeros(n_ids, dtype=np.int64)
     np.minimum.at(lo, comp, elems)
     np.maximum.at(hi, comp, elems)
-    pairs = np.unique(sender * n_ids + recv)
+    ok &= lo == hi
+    # a complete exchange has each ordered pair once: count distinct pairs in the candidate components
+    cand = ok[comp]
+    pairs = np.unique(sender[cand] * n_ids + recv[cand])
     n_pairs = np.bincount(label[pairs // n_ids], minlength=n_ids)
-    ok = (size >= 2) & (n_xfer == size * (size - 1)) & (n_pairs == n_xfer) & (lo == hi)
+    ok &= n_pairs == n_xfer
     out = []
     order = np.argsort(comp, kind="stable")
     bounds = np.searchsorted(comp[order], np.flatnonzero(ok))

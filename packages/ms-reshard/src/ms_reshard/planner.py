@@ -167,7 +167,7 @@ def plan_ids(
     copy_id, copy_box = recv[local], boxes[local]
     recv, chunk, boxes = recv[~local], chunk[~local], boxes[~local]
     sender = _choose_senders(recv, chunk, box_elems(boxes), holders)
-    order = np.lexsort((recv, sender))
+    order = np.argsort(sender * n_ids + recv, kind="stable")
     sender, recv, boxes = sender[order], recv[order], boxes[order]
 
     found = find_collectives(sender, recv, boxes, n_ids) if collectives else []
@@ -204,7 +204,8 @@ def _choose_senders(recv: np.ndarray, chunk: np.ndarray, elems: np.ndarray, hold
     if len(recv) == 0:
         return recv.copy()
     replicas = holders.shape[1]
-    order = np.lexsort((recv, chunk))
+    # receivers in id order within each chunk; one stable sort when they already come sorted
+    order = np.argsort(chunk, kind="stable") if (np.diff(recv) >= 0).all() else np.lexsort((recv, chunk))
     c, e = chunk[order], elems[order]
     cum = np.cumsum(e)
     new_group = np.r_[True, c[1:] != c[:-1]]

@@ -7,9 +7,13 @@ style storage): ``stored_layout`` adds those axes, the rule of ``ms_layout.optim
 applied to the placed layout so that it also covers numbered experts, and skipped -- as MindSpore
 does -- when dim 0 does not divide.
 
-Placements are memoised on a representative name (the first layer of the same stage, the first
-expert of the same owner), because the layout depends only on role, stage and owner and each
-``param_placement`` call walks every rank of the job.
+Placements are computed once per representative name -- the same parameter in pipeline stage 0
+and, for a numbered expert, owned by expert-parallel rank 0 -- and moved to the real stage and
+owner by shifting the ranks: a ParallelConfig's meshes number ranks row-major over all their axes,
+so the ranks of stage s are those of stage 0 plus s * stride(pp), in the same order, and likewise
+for the ep coordinate. (Each ``param_placement`` call walks every rank of the job in Python, about
+60 ms at 1024 ranks, so calling it for each of DeepSeek-V3's 45k parameters is not an option;
+tests/test_specs.py checks the shift against direct calls.)
 """
 
 from __future__ import annotations
@@ -39,16 +43,33 @@ def stored_layout(layout: Layout, shape: Sequence[int]) -> Layout:
     return Layout(layout.device_matrix, layout.alias_names, dims, layout.rank_list)
 
 
-def _representative(name: str, stages: list[int], num_layers: int, per_owner: int | None) -> str:
+def _strides(mesh: Layout) -> dict[str, int]:
+    out, stride = {}, 1
+    for name, size in zip(reversed(mesh.alias_names), reversed(mesh.device_matrix)):
+        out[name] = stride
+        stride *= size
+    return out
+
+
+def _representative(name: str, stages: list[int], num_layers: int, per_owner: int | None) -> tuple[str, int, int]:
+    """(the name moved to stage 0 and expert owner 0, its stage, its owner)."""
+    stage = owner = 0
     m = _LAYER.search(name)
-    if m and int(m.group(2)) < num_layers:
-        first = stages.index(stages[int(m.group(2))])
-        name = f"{name[: m.start(2)]}{first}{name[m.end(2) :]}"
+    if m and int(m.group(2)) < num_layers and 0 in stages:
+        stage = stages[int(m.group(2))]
+        name = f"{name[: m.start(2)]}{stages.index(0)}{name[m.end(2) :]}"
     e = _EXPERT.search(name)
     if e and per_owner:
-        first = int(e.group(1)) // per_owner * per_owner
-        name = f"{name[: e.start(1)]}{first}{name[e.end(1) :]}"
-    return name
+        owner = int(e.group(1)) // per_owner
+        name = f"{name[: e.start(1)]}{int(e.group(1)) % per_owner}{name[e.end(1) :]}"
+    return name, stage, owner
+
+
+def _shifted(layout: Layout, shift: int) -> Layout:
+    if not shift:
+        return layout
+    ranks = tuple(r + shift for r in layout.ranks)
+    return Layout(layout.device_matrix, layout.alias_names, layout.dims, ranks)
 
 
 def param_specs(
@@ -70,18 +91,25 @@ def param_specs(
     except LayoutError as exc:
         raise ReshardError(str(exc)) from None
     per_owner = num_experts // config.ep if num_experts and num_experts % config.ep == 0 else None
+    pp_stride = _strides(config.mesh)["pp"]
+    ep_stride = _strides(config.expert_mesh)["ep"]
     placed: dict[tuple[str, int], Layout] = {}
+    shifted: dict[tuple[str, int, int, int], Layout] = {}
     stored: dict[tuple[Layout, int], Layout] = {}
     out = {}
     for name, (shape, parts, part_dim) in fused.items():
-        key = (_representative(name, stages, num_layers, per_owner), len(shape))
-        layout = placed.get(key)
+        rep, stage, owner = _representative(name, stages, num_layers, per_owner)
+        key = (rep, len(shape), stage, owner)
+        layout = shifted.get(key)
         if layout is None:
-            try:
-                layout = param_placement(config, key[0], len(shape), num_layers, num_experts, layers_per_chunk).layout
-            except LayoutError as exc:
-                raise ReshardError(f"parameter {name!r}: {exc}") from None
-            placed[key] = layout
+            base = placed.get(key[:2])
+            if base is None:
+                try:
+                    base = param_placement(config, rep, len(shape), num_layers, num_experts, layers_per_chunk).layout
+                except LayoutError as exc:
+                    raise ReshardError(f"parameter {name!r}: {exc}") from None
+                placed[key[:2]] = base
+            layout = shifted[key] = _shifted(base, stage * pp_stride + owner * ep_stride)
         if sharded and shape:
             skey = (layout, shape[0])
             if skey not in stored:

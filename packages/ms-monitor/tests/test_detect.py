@@ -51,14 +51,16 @@ def test_no_false_alert_in_200_noisy_steps():
 
 
 def test_regression_against_own_baseline_and_resolution():
-    det = Detector(DetectorConfig(warmup_steps=2, baseline_steps=10, recent_steps=5))
+    det = Detector(DetectorConfig(warmup_steps=2, baseline_steps=10, recent_steps=5, hold_steps=5))
     out = []
+    # the 5-step median crosses 1.3x at step 33 and falls back at step 43; 5 evaluations in a row
+    # raise and resolve it
     times = [0.05] * 30 + [0.08] * 10 + [0.05] * 10
     for step, t in enumerate(times, 1):
         out += det.update_rank(0, step, t)
     # one alert, returned at its onset and again when resolved
     assert len(out) == 2 and out[0] is out[1]
-    assert (out[0].kind, out[0].step, out[0].active, out[0].resolved_step) == ("regression", 33, False, 43)
+    assert (out[0].kind, out[0].step, out[0].active, out[0].resolved_step) == ("regression", 37, False, 47)
     assert out[0].value / out[0].reference == pytest.approx(1.6)
 
 
@@ -84,3 +86,15 @@ def test_warmup_steps_are_ignored():
 def test_bad_config_is_refused(kw):
     with pytest.raises(MonitorError):
         DetectorConfig(**kw)
+
+
+def test_regression_must_last_sustain_seconds():
+    # 0.5 s steps: a 4-second burst of slow steps is load on the host; a 20-second one is a regression.
+    def run_with_burst(n_slow):
+        det = Detector(DetectorConfig(warmup_steps=0, baseline_steps=10, sustain_seconds=10.0, jitter_window=1000))
+        times = [0.5] * 20 + [0.8] * n_slow + [0.5] * 20
+        return [a for step, t in enumerate(times, 1) for a in det.update_rank(0, step, t, now=step * 0.5) if a.active]
+
+    assert run_with_burst(8) == []
+    raised = run_with_burst(40)
+    assert [(a.kind, a.step) for a in raised] == [("regression", 23 + 20)]  # first bad at step 23, +10 s

@@ -16,6 +16,7 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -50,6 +51,25 @@ def _start_mindspore_profiler(out_dir: str, analyse: bool):
     )
     prof.start()
     return prof
+
+
+def _stop_mindspore_profiler(prof) -> None:
+    """Stop the profiler; its asynchronous analysis must start as a forked process.
+
+    MindSpore 2.10 starts the analysis with ``multiprocessing.Process``, i.e. the default context.
+    In a process that was itself started with "spawn" (torch/ms-layout launchers do that) the
+    default is "spawn" too, and the fresh interpreter fails with "Logger not initialized" (measured).
+    Forking, as a normally started Linux process does, works; the default is restored right after.
+    """
+    method = multiprocessing.get_start_method(allow_none=True)
+    if method in (None, "fork") or not sys.platform.startswith("linux"):
+        prof.stop()
+        return
+    multiprocessing.set_start_method("fork", force=True)
+    try:
+        prof.stop()
+    finally:
+        multiprocessing.set_start_method(method, force=True)
 
 
 def _stable(path: str, wait: float) -> bool:
@@ -130,7 +150,7 @@ class Capture:
             return False
         if self._prof is not None:
             try:
-                self._prof.stop()
+                _stop_mindspore_profiler(self._prof)
             except Exception as exc:
                 self.error = f"MindSpore profiler did not stop cleanly: {type(exc).__name__}: {exc}"
         self.last = step

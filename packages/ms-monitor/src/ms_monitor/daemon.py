@@ -127,6 +127,7 @@ class Daemon:
         self._http: Any = None
         self._stopped: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
+        self._handlers: set[asyncio.Task] = set()
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -193,6 +194,8 @@ class Daemon:
             srv.close()
         for conn in list(self.conns):
             conn.writer.close()
+        if self._handlers:  # let the handlers see the closed connections and end on their own
+            await asyncio.wait(self._handlers, timeout=2.0)
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
@@ -227,6 +230,10 @@ class Daemon:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = None
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
+            task.add_done_callback(self._handlers.discard)
         try:
             hello = await asyncio.wait_for(self._read(reader), 10.0)
             if hello["t"] != "hello":
@@ -288,16 +295,15 @@ class Daemon:
         elif kind == "tdone":
             self.traces.on_tdone(msg)
 
-    def _export(self, samples: list[dict], alerts: list) -> None:
-        for a in alerts:
-            (log.warning if a.active else log.info)(
-                "ms-monitor alert%s: %s", "" if a.active else " resolved", a.message
-            )
+    def _export(self, samples: list[dict], events: list[dict]) -> None:
+        for e in events:
+            raised = e["event"] == "raised"
+            (log.warning if raised else log.info)("ms-monitor alert%s: %s", "" if raised else " resolved", e["message"])
         if self.jsonl is not None:
             for s in samples:
                 self.jsonl.write({"type": "sample", **s})
-            for a in alerts:
-                self.jsonl.write({"type": "alert", **a.to_dict()})
+            for e in events:
+                self.jsonl.write({"type": "alert", **e})
         if self.tensorboard is not None:
             for s in samples:
                 self.tensorboard.write(s)

@@ -14,8 +14,9 @@ Three detectors, each robust to the odd slow step that every busy machine produc
   sqrt(2)``, relative to the median step time over ``jitter_window`` steps. Differences make the
   measure blind to a single level shift (that is a regression, not jitter).
 
-Each alert is raised once at onset and resolved with hysteresis, so a flapping signal does not
-flood the alert list.
+Each alert is raised once, after its condition held for a few evaluations in a row (like a
+Prometheus rule's ``for:``), and resolved the same way with a lower threshold (hysteresis), so a
+signal hovering at a threshold does not flood the alert list.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -50,6 +52,11 @@ class DetectorConfig:
     """steps whose median is compared with the baseline"""
     regress_ratio: float = 1.3
     """recent median / baseline median at which a regression is raised"""
+    hold_steps: int = 5
+    """consecutive evaluations over (under) a regression or jitter threshold that raise (resolve) it"""
+    sustain_seconds: float = 10.0
+    """wall time a regression or jitter condition must also last before it raises: a burst of load
+    on the host slows every rank for a moment, a regression stays"""
     jitter_window: int = 30
     """steps over which jitter is measured"""
     jitter_cv: float = 0.35
@@ -59,10 +66,10 @@ class DetectorConfig:
         for name in ("slow_ratio", "regress_ratio"):
             if not getattr(self, name) > 1.0:
                 raise MonitorError(f"DetectorConfig.{name}={getattr(self, name)!r} must be above 1")
-        for name in ("slow_steps", "baseline_steps", "recent_steps", "jitter_window"):
+        for name in ("slow_steps", "hold_steps", "baseline_steps", "recent_steps", "jitter_window"):
             if not int(getattr(self, name)) >= 1:
                 raise MonitorError(f"DetectorConfig.{name}={getattr(self, name)!r} must be at least 1")
-        if self.warmup_steps < 0 or self.slow_z < 0 or self.jitter_cv <= 0:
+        if self.warmup_steps < 0 or self.slow_z < 0 or self.jitter_cv <= 0 or self.sustain_seconds < 0:
             raise MonitorError(f"DetectorConfig has a negative threshold: {self}")
 
 
@@ -133,8 +140,8 @@ class _RankState:
         self.baseline_buf: list[float] = []
         self.baseline: float | None = None
         self.recent: deque[float] = deque(maxlen=max(cfg.recent_steps, cfg.jitter_window))
-        self.slow_run = 0
-        self.fast_run = 0
+        self.runs: dict[str, list[int]] = {}
+        self.since: dict[str, float | None] = {}
         self.active: dict[str, Alert] = {}
 
 
@@ -171,8 +178,35 @@ class Detector:
         alert.resolved_step = step
         return [alert]
 
-    def update_rank(self, rank: int, step: int, step_time: float) -> list[Alert]:
-        """One step of one rank: the regression and jitter detectors."""
+    def _judge(
+        self,
+        st: _RankState,
+        kind: str,
+        step: int,
+        bad: bool,
+        good: bool,
+        make: Callable[[], Alert],
+        hold: int,
+        now: float | None = None,
+        sustain: float = 0.0,
+    ) -> list[Alert]:
+        """Raise after ``hold`` bad evaluations in a row that also span ``sustain`` seconds of wall
+        time (when ``now`` is known); resolve after ``hold`` good ones. In between (the hysteresis
+        band) both runs restart, so a signal hovering at the threshold stays put."""
+        runs = st.runs.setdefault(kind, [0, 0])
+        runs[0], runs[1] = (runs[0] + 1, 0) if bad else (0, runs[1] + 1) if good else (0, 0)
+        if runs[0] == 1:
+            st.since[kind] = now
+        began = st.since.get(kind)
+        lasted = now is None or began is None or now - began >= sustain
+        if runs[0] >= hold and lasted:
+            return self._raise(st, make())
+        if runs[1] >= hold:
+            return self._resolve(st, kind, step)
+        return []
+
+    def update_rank(self, rank: int, step: int, step_time: float, now: float | None = None) -> list[Alert]:
+        """One step of one rank (``now``: its wall time, for ``sustain_seconds``): regression and jitter."""
         cfg, st = self.config, self._state(rank)
         st.seen += 1
         if st.seen <= cfg.warmup_steps:
@@ -183,21 +217,36 @@ class Detector:
             if len(st.baseline_buf) >= cfg.baseline_steps:
                 st.baseline = float(np.median(st.baseline_buf))
             return []
-        out: list[Alert] = []
+        base = st.baseline
         recent = np.array(st.recent, dtype=np.float64)
         med = float(np.median(recent[-cfg.recent_steps :]))
-        if med > cfg.regress_ratio * st.baseline:
-            msg = f"rank {rank} step time {med * 1e3:.1f} ms is {med / st.baseline:.2f}x its baseline"
-            out += self._raise(st, Alert(rank, "regression", step, med, st.baseline, msg))
-        elif med < (1 + (cfg.regress_ratio - 1) / 2) * st.baseline:
-            out += self._resolve(st, "regression", step)
+
+        def regression() -> Alert:
+            msg = f"rank {rank} step time {med * 1e3:.1f} ms is {med / base:.2f}x its baseline"
+            return Alert(rank, "regression", step, med, base, msg)
+
+        high, low = cfg.regress_ratio * base, (1 + (cfg.regress_ratio - 1) / 2) * base
+        out = self._judge(
+            st, "regression", step, med > high, med < low, regression, cfg.hold_steps, now, cfg.sustain_seconds
+        )
         if len(recent) >= cfg.jitter_window:
             jit = step_jitter(recent[-cfg.jitter_window :])
-            if jit > cfg.jitter_cv:
+
+            def jitter() -> Alert:
                 msg = f"rank {rank} step-to-step jitter {jit:.2f} of the median step time"
-                out += self._raise(st, Alert(rank, "jitter", step, jit, cfg.jitter_cv, msg))
-            elif jit < 0.7 * cfg.jitter_cv:
-                out += self._resolve(st, "jitter", step)
+                return Alert(rank, "jitter", step, jit, cfg.jitter_cv, msg)
+
+            out += self._judge(
+                st,
+                "jitter",
+                step,
+                jit > cfg.jitter_cv,
+                jit < 0.7 * cfg.jitter_cv,
+                jitter,
+                cfg.hold_steps,
+                now,
+                cfg.sustain_seconds,
+            )
         return out
 
     def update_step(self, step: int, busy: dict[int, float]) -> list[Alert]:
@@ -206,16 +255,14 @@ class Detector:
         eligible = {r: t for r, t in busy.items() if self._state(r).seen > cfg.warmup_steps}
         slow = slow_ranks(eligible, cfg)
         out: list[Alert] = []
-        for rank in eligible:
-            st = self._state(rank)
-            if rank in slow:
-                st.slow_run, st.fast_run = st.slow_run + 1, 0
-                if st.slow_run >= cfg.slow_steps:
-                    x, med = eligible[rank], slow[rank]
-                    msg = f"rank {rank} busy {x * 1e3:.1f} ms vs peers' median {med * 1e3:.1f} ms ({x / med:.2f}x)"
-                    out += self._raise(st, Alert(rank, "slow_rank", step, x, med, msg))
-            else:
-                st.slow_run, st.fast_run = 0, st.fast_run + 1
-                if st.fast_run >= cfg.slow_steps:
-                    out += self._resolve(st, "slow_rank", step)
+        for rank, x in eligible.items():
+            med = slow.get(rank, 0.0)
+
+            def make(rank: int = rank, x: float = x, med: float = med) -> Alert:
+                msg = f"rank {rank} busy {x * 1e3:.1f} ms vs peers' median {med * 1e3:.1f} ms ({x / med:.2f}x)"
+                return Alert(rank, "slow_rank", step, x, med, msg)
+
+            out += self._judge(
+                self._state(rank), "slow_rank", step, rank in slow, rank not in slow, make, cfg.slow_steps
+            )
         return out

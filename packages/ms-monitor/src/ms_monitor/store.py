@@ -1,8 +1,9 @@
 """The daemon's memory: a rolling window of samples per rank, step alignment across ranks, alerts.
 
 Thread-safe: the daemon's event loop writes, the HTTP threads read snapshots. Samples of the same
-step from different ranks are collected until every live rank has reported it (or the step falls
-far enough behind), then the slow-rank detector sees the whole step at once.
+step from different ranks are collected until every live rank has reported it or moved past it
+(its sample was dropped), then the slow-rank detector sees the whole step at once. Ranks need not
+run in lockstep: a rank that lags holds its steps back until it gets there.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from .detect import Alert, Detector, DetectorConfig
 
 #: a rank that sent nothing for this long no longer holds back the step alignment
 LIVE_SECONDS = 10.0
-#: steps this far behind the newest one are evaluated with whatever ranks reported them
-ALIGN_LAG = 8
+#: at most this many steps wait for lagging ranks; beyond it the oldest are evaluated as they are
+MAX_PENDING = 2048
 MAX_ALERTS = 1000
 
 
@@ -140,9 +141,16 @@ class Store:
         with self._lock:
             self.invalid += 1
 
-    def add(self, samples: list[dict], role: str | None = None) -> list[Alert]:
-        """Validated wire samples in; alert onsets/resolutions out (also kept in ``alerts``)."""
-        new: list[Alert] = []
+    def _record(self, alerts: list[Alert], events: list[dict]) -> None:
+        # Snapshot each onset/resolution as it happens: one batch can raise and resolve the same alert.
+        for a in alerts:
+            events.append({"event": "raised" if a.active else "resolved", **a.to_dict()})
+            if a.active:
+                self.alerts.append(a)
+
+    def add(self, samples: list[dict], role: str | None = None) -> list[dict]:
+        """Validated wire samples in; alert events out (``event``: raised or resolved, plus the alert)."""
+        events: list[dict] = []
         with self._lock:
             now = time.time()
             for s in samples:
@@ -170,22 +178,19 @@ class Store:
                     )
                 )
                 self.received += 1
-                new += self.detector.update_rank(s["r"], s["s"], s["dt"])
+                self._record(self.detector.update_rank(s["r"], s["s"], s["dt"], s["ts"]), events)
                 self._pending.setdefault(s["s"], {})[s["r"]] = max(s["dt"] - ct, 0.0)
-            new += self._align(now)
-            self.alerts.extend(a for a in new if a.active)
-        return new
+            self._align(now, events)
+        return events
 
-    def _align(self, now: float) -> list[Alert]:
+    def _align(self, now: float, events: list[dict]) -> None:
         live = {r for r, i in self.ranks.items() if now - i.last_seen < LIVE_SECONDS and i.role != "dyno"}
-        newest = max(self._pending, default=0)
-        out: list[Alert] = []
-        for step in sorted(self._pending):
+        overflow = len(self._pending) - MAX_PENDING
+        for i, step in enumerate(sorted(self._pending)):
             got = self._pending[step]
-            if live <= set(got) or step < newest - ALIGN_LAG:
-                out += self.detector.update_step(step, got)
+            if i < overflow or all(r in got or self.ranks[r].last_step > step for r in live):
+                self._record(self.detector.update_step(step, got), events)
                 del self._pending[step]
-        return out
 
     def dyno_status(self, msg: dict) -> None:
         """A status report of MindSpore's dynamic profiler (through the IPCMonitor proxy)."""
@@ -213,7 +218,8 @@ class Store:
         """Per-rank step times over the newest ``last`` steps, and the ranks x steps matrices."""
         with self._lock:
             ranks = sorted(r for r, i in self.ranks.items() if i.window)
-            steps = sorted({p.step for r in ranks for p in self.ranks[r].window})[-last:]
+            # the newest `last` steps of each rank, so a rank that lags behind still shows
+            steps = sorted({p.step for r in ranks for p in list(self.ranks[r].window)[-last:]})[-3 * last :]
             index = {s: j for j, s in enumerate(steps)}
             dt = [[None] * len(steps) for _ in ranks]
             busy = [[None] * len(steps) for _ in ranks]
@@ -227,7 +233,9 @@ class Store:
                 "steps": steps,
                 "step_time": dt,
                 "busy_time": busy,
-                "alerts": [a.to_dict() for a in list(self.alerts)[-50:]],
+                # active alerts first, then the newest resolved ones
+                "alerts": [a.to_dict() for a in self.detector.active()]
+                + [a.to_dict() for a in list(self.alerts)[-50:] if not a.active],
                 "time": time.time(),
             }
 

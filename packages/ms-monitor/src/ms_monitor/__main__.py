@@ -1,0 +1,7 @@
+"""``python -m ms_monitor``: the ms-monitor console script."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

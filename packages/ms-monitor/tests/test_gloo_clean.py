@@ -1,0 +1,41 @@
+"""No false alert in a clean run: 4 ranks (processes), 200 fast synthetic steps synchronised by gloo."""
+
+import pytest
+from conftest import wait_for
+
+pytestmark = pytest.mark.needs_torch
+
+STEPS = 200
+
+
+def synthetic_rank(group, addr, steps):
+    import time
+
+    import numpy as np
+    from ms_monitor import Monitor
+
+    mon = Monitor(rank=group.rank, world_size=group.size, addr=addr, tokens_per_step=2048)
+    buf = np.ones(4096, dtype=np.float32)
+    for _ in range(steps):
+        with mon.step():
+            with mon.range("compute"):
+                time.sleep(0.03)  # short steps, but well above the scheduler's latency on a loaded host
+            with mon.range("allreduce", kind="comm"):
+                group.all_reduce(buf)
+    stats = mon.stats()
+    mon.close()
+    return stats
+
+
+def test_clean_200_step_run_raises_no_alert(daemon):
+    from ms_layout.comm import run_local
+
+    results = run_local(synthetic_rank, 4, args=(daemon.agent_addrs[0], STEPS), timeout=300)
+    assert [r["step"] for r in results] == [STEPS] * 4 and all(r["dropped"] == 0 for r in results)
+    wait_for(
+        lambda: len(daemon.store.ranks) == 4 and all(i.received == STEPS for i in daemon.store.ranks.values()),
+        what="all samples",
+    )
+    status = daemon.store.status()
+    assert status["alerts"] == [], status["alerts"]
+    assert all(r["last_step"] == STEPS for r in status["ranks"])

@@ -1,0 +1,139 @@
+"""The MindSpore side: the Model callback, a capture with MindSpore's profiler, and the IPCMonitor proxy."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from conftest import get_json, wait_for
+from ms_monitor import Monitor, check_chrome_trace
+from ms_train import make_step
+
+pytestmark = pytest.mark.needs_mindspore
+
+
+def test_model_callback_reports_every_step_with_batch_size(daemon):
+    import mindspore as ms
+    import mindspore.dataset as ds
+    from mindspore import nn
+    from ms_monitor import MonitorCallback
+
+    ms.set_device("CPU")
+    data = np.random.default_rng(0).standard_normal((40, 8)).astype(np.float32)
+    dataset = ds.NumpySlicesDataset({"x": data, "y": data}, shuffle=False).batch(4)
+    net = nn.Dense(8, 8)
+    model = ms.train.Model(net, nn.MSELoss(), nn.Adam(net.trainable_params()))
+    cb = MonitorCallback(rank=0, addr=daemon.agent_addrs[0], tokens_per_sample=16)
+    model.train(2, dataset, callbacks=[cb], dataset_sink_mode=False)
+    wait_for(lambda: daemon.store.ranks.get(0) and daemon.store.ranks[0].last_step == 20, what="20 steps")
+    points = list(daemon.store.ranks[0].window)
+    assert [p.step for p in points] == list(range(1, 21))
+    assert {(p.smp, p.tok) for p in points} == {(4, 64)}
+
+
+def test_capture_runs_mindspore_profiler_between_step_boundaries(daemon):
+    step = make_step()
+    mon = Monitor(rank=0, addr=daemon.agent_addrs[0])
+    wait_for(lambda: mon.stats()["connected"], what="agent connection")
+    job = get_json(daemon.http_url + "/api/trace", {"steps": 2, "start_step": 6})
+    for _ in range(12):
+        with mon.step():
+            with mon.range("train_step"):
+                step()
+    job = wait_for(lambda: (j := daemon.trace_status(job["id"]))["state"] != "running" and j, timeout=120)
+    mon.close()
+    assert job["state"] == "done" and job["sources"]["0"] == ["agent_ranges.json", "trace_view.json"], job
+    doc = json.load(open(job["path"]))
+    assert check_chrome_trace(doc) == {0: check_chrome_trace(doc)[0]}
+    steps = {e["args"]["step"]: e for e in doc["traceEvents"] if e.get("cat") == "step"}
+    assert sorted(steps) == [6, 7]
+    ops = [e for e in doc["traceEvents"] if e["ph"] == "X" and "MatMul" in e["name"]]
+    assert ops, "MindSpore's CPU ops are in the lane"
+    lo, hi = steps[6]["ts"], steps[7]["ts"] + steps[7]["dur"]
+    assert all(lo - 1e3 <= e["ts"] <= hi + 1e3 for e in ops)  # same clock: ops fall inside the captured steps
+
+
+def test_proxy_speaks_mindspores_dyno_format(daemon, monkeypatch):
+    monkeypatch.setenv("MSMONITOR_USE_DAEMON", "1")
+    monkeypatch.setenv("MS_MONITOR_ADDR", daemon.agent_addrs[0])
+    monkeypatch.setenv("RANK_ID", "3")  # what MindSpore's get_real_rank falls back to without init()
+    from IPCMonitor import PyDynamicMonitorProxy
+    from mindspore.profiler.dynamic_profile.dynamic_profiler_config_context import DynamicProfilerConfigContext
+    from mindspore.profiler.dynamic_profile.dynamic_profiler_utils import DynamicProfilerUtils
+
+    poller, reporter = PyDynamicMonitorProxy(), PyDynamicMonitorProxy()
+    assert poller.init_dyno(3) is True
+    assert poller.poll_dyno() == ""  # nothing asked yet
+    reporter.update_profiler_status(
+        {"profiler_status": "0", "current_step": "12", "start_step": "-1", "stop_step": "-1"}
+    )
+    wait_for(lambda: daemon.store.ranks.get(3) and daemon.store.ranks[3].last_step == 12, what="status")
+    assert get_json(daemon.http_url + "/api/status")["ranks"][0]["profiler_status"] == 0
+    job = get_json(daemon.http_url + "/api/trace", {"ranks": [3], "steps": 4, "start_step": 20})
+    assert job["dyno_ranks"] == [3]
+    cfg = wait_for(poller.poll_dyno, what="config")
+    parsed = DynamicProfilerUtils.dyno_str_to_dict(cfg)  # MindSpore's own parser is the reference
+    parsed["is_valid"] = True
+    ctx = DynamicProfilerConfigContext(parsed)
+    assert (ctx.start_step, ctx.stop_step, ctx.is_valid) == (20, 23, True)
+    assert ctx.prof_path == os.path.join(daemon.config.trace_dir, job["id"], "dyno")
+    assert ctx.args["activities"] and not ctx.analyse
+    poller.finalize_dyno()
+    reporter.finalize_dyno()
+
+
+UNMODIFIED = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, sys.argv[2])
+    from ms_train import make_step
+    from mindspore.profiler import DynamicProfilerMonitor
+    step = make_step()
+    dp = DynamicProfilerMonitor(output_path=sys.argv[3], poll_interval=1)
+    for i in range(int(sys.argv[1])):
+        step()
+        time.sleep(0.03)
+        dp.step()
+        print("step", i + 1, flush=True)
+    """
+)
+
+
+def test_unmodified_script_is_traced_through_mindspores_hook(daemon, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(UNMODIFIED)
+    env = dict(os.environ, MSMONITOR_USE_DAEMON="1", MS_MONITOR_ADDR=daemon.agent_addrs[0], RANK_ID="0")
+    here = os.path.dirname(__file__)
+    log = open(tmp_path / "train.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "150", here, str(tmp_path / "dyn")],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=tmp_path,
+    )
+    try:
+        wait_for(
+            lambda: daemon.store.ranks.get(0) and daemon.store.ranks[0].last_step > 3,
+            timeout=90,
+            what=f"status from MindSpore's hook; log: {(tmp_path / 'train.log').read_text()[-2000:]}",
+        )
+        job = get_json(daemon.http_url + "/api/trace", {"steps": 3})
+        assert job["dyno_ranks"] == [0] and job["expected"] == []
+        job = wait_for(lambda: (j := daemon.trace_status(job["id"]))["state"] != "running" and j, timeout=120)
+        assert proc.poll() is None, "the job kept running through the capture"
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    assert job["state"] == "done", job
+    assert job["sources"]["0"] == ["cpu_op_execute_timestamp_0.txt"]
+    doc = json.load(open(job["path"]))
+    assert check_chrome_trace(doc)[0] > 0
+    dirs = os.listdir(os.path.join(daemon.config.trace_dir, job["id"], "dyno"))
+    start = job["start_step"]
+    assert dirs == [f"rank0_start{start}_stop{start + 2}"]  # MindSpore's own layout for [start, stop]

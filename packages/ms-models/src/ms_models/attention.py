@@ -38,7 +38,6 @@ class Attention(nn.Cell):
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.groups = self.num_heads // self.num_kv_heads
         self.scale = self.head_dim**-0.5
         std = c.initializer_range
         self.q_proj = Linear(c.hidden_size, self.num_heads * self.head_dim, c.qkv_bias, std, rng)

@@ -16,7 +16,7 @@ from mindspore import Tensor, nn, ops
 from mindspore import dtype as mstype
 
 from .errors import ModelError
-from .layers import causal_mask
+from .layers import Linear, causal_mask
 from .paged_cache import PagedMetadata, allocate_kv_caches
 
 
@@ -41,8 +41,6 @@ class CausalLM(nn.Cell):
 
     def __init__(self, config, model: nn.Cell, rng=None):
         super().__init__()
-        from .layers import Linear
-
         self.config = config
         self.model = model
         self.tied = bool(config.tie_word_embeddings)

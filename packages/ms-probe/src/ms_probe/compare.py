@@ -222,9 +222,6 @@ def compare_rank(
     mapping = mapping or NameMapping()
     th = thresholds or Thresholds()
     mode = "tensor" if target.task == "tensor" and golden.task == "tensor" else "statistics"
-    problems = [f"target: {p}" for p in target.problems] + [f"golden: {p}" for p in golden.problems]
-    if {target.task, golden.task} == {"tensor", "statistics"}:
-        problems.append("one side dumped tensors and the other statistics: compared in statistics mode")
     g_index: dict[tuple, DumpItem] = {}
     for gi in golden.items.values():
         g_index.setdefault(_golden_key(gi, mapping), gi)
@@ -263,6 +260,10 @@ def compare_rank(
         why = mapping.skip_reason("golden", gi.parsed.path) if gi.parsed.kind != "api" else None
         golden_only.append((gi.name, why or "no target item with this path, direction and call index"))
     first, why = first_divergence(modules)
+    # Read after the rows: loading tensors adds the problems of damaged .npy files.
+    problems = [f"target: {p}" for p in target.problems] + [f"golden: {p}" for p in golden.problems]
+    if {target.task, golden.task} == {"tensor", "statistics"}:
+        problems.append("one side dumped tensors and the other statistics: compared in statistics mode")
     return RankCompare(
         target.step,
         target.rank,

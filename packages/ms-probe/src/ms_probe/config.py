@@ -84,10 +84,10 @@ class DumpConfig:
     """"statistics" or "md5" (adds a CRC-32 of each tensor's bytes)."""
     tensor_list: list[str] = field(default_factory=builtins.list)
     """Statistics task, but real tensors for items matching these names or substrings."""
-    jit: str = "boundary"
-    """MindSpore only. "boundary": mindspore.jit code runs compiled and only the hooks around it fire
-    (its boundary cells); "pynative": dumped steps run jit functions eagerly (MS_JIT=0, PyNative
-    context) so that every Cell inside them is dumped."""
+    jit: str = "pynative"
+    """MindSpore only. "pynative": dumped steps run jit functions eagerly (MS_JIT=0, PyNative context)
+    so that every Cell inside them is dumped; "boundary": jit code stays compiled and Cells with a jit
+    construct are dumped at their boundary only (a whole step under jit cannot be dumped this way)."""
 
     def __post_init__(self) -> None:
         if not self.dump_path or not isinstance(self.dump_path, (str, os.PathLike)):
@@ -155,7 +155,7 @@ def config_from_dict(raw: dict[str, Any], **overrides: Any) -> DumpConfig:
         "level": raw.get("level", "L0"),
         "step": raw.get("step", []),
         "rank": raw.get("rank", []),
-        "jit": raw.get("jit", "boundary"),
+        "jit": raw.get("jit", "pynative"),
         "scope": sub.get("scope", []),
         "list": sub.get("list", []),
         "data_mode": sub.get("data_mode", ["all"]),

@@ -1,14 +1,17 @@
 """The MindSpore dumper: PyNative Cell hooks (level L0), wrapped functional ops (L1/mix) and
 parameter-gradient hooks, feeding the framework-neutral Recorder.
 
-mindspore.jit (measured on MindSpore 2.10, shared/reference/mindspore_cpu.md §6 and this package's
-tests): hooks on Cells that run inside a jit function or GRAPH_MODE never fire; a hook on a Cell
-whose own `construct` is jit-decorated still fires at its boundary. Hooks registered on the
-sub-cells of a jit construct can even break its compilation (a hook with a default argument or a
-print() failed to compile), so this dumper does not hook below a jit construct. With
-`jit="pynative"` the dumped steps run every jit function eagerly instead: MindSpore's jit wrapper
-calls the plain Python function when the environment variable MS_JIT is "0" (checked at each call),
-and a GRAPH_MODE context is switched to PyNative for the step and back afterwards.
+mindspore.jit (measured on MindSpore 2.10 CPU, see docs/ms-probe.md): when a jit function calls a
+hooked Cell, MindSpore compiles the hooks into the graph, and a hook that does real work (a
+try/finally, numpy, I/O) fails to compile ("Unsupported statement 'Try'"); simpler hooks are run at
+compile time only, so they record nothing. Hence:
+- hooks exist only between start() and stop() of a dumped step: other steps, jit or not, never see them;
+- `jit="pynative"` (the default) runs the dumped steps eagerly: MindSpore's jit wrapper calls the plain
+  Python function when the environment variable MS_JIT is "0" (read at each call), and a GRAPH_MODE
+  context is switched to PyNative for the step and back, so every Cell is dumped;
+- `jit="boundary"` keeps jit code compiled: Cells whose own `construct` is jit-decorated are dumped at
+  their boundary (their hook fires outside the graph) and nothing below them is hooked. A whole step
+  under jit cannot be dumped this way.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ class MindSporeDumper:
         self.recorder = recorder
         self.models = models
         self.handles: list[Any] = []
+        self.plan: list[tuple[Any, str, str, tuple[str, str] | None]] = []
         self.jit_cells: list[str] = []
         self._patched: list[tuple[Any, str, Any]] = []
         self._local = threading.local()
@@ -94,10 +98,9 @@ class MindSporeDumper:
 
     # ------------------------------------------------------------------ attach / detach
     def attach(self) -> None:
+        """Plan which cells get hooks; the hooks themselves go in at on_start()."""
         for prefix, model in self.models:
             self._attach_model(prefix, model)
-        if self.recorder.cfg.level in ("L1", "mix"):
-            self._patch_apis()
         if self.jit_cells:
             log.warning(
                 "ms-probe: %d Cell(s) have a mindspore.jit construct (%s%s): with jit=%r only their inputs and outputs "
@@ -130,7 +133,7 @@ class MindSporeDumper:
             if parent_name and parent_name in names:
                 parent_path = f"{prefix}.{parent_name}" if prefix else parent_name
                 parent = (parent_path, type(names[parent_name]).__name__)
-            self._hook_cell(cell, path, type(cell).__name__, parent)
+            self.plan.append((cell, path, type(cell).__name__, parent))
         if ms.get_context("mode") == ms.GRAPH_MODE and self.recorder.cfg.jit == "boundary":
             log.warning(
                 "ms-probe: MindSpore is in GRAPH_MODE, where Cell hooks never fire: the dump will be empty; "
@@ -227,13 +230,17 @@ class MindSporeDumper:
         wrapper.__name__ = getattr(fn, "__name__", api)
         return wrapper
 
-    def detach(self) -> None:
+    def _remove_hooks(self) -> None:
         for h in self.handles:
             try:
                 h.remove()
             except Exception:
                 pass
         self.handles.clear()
+
+    def detach(self) -> None:
+        self.on_stop()
+        self._remove_hooks()
         for owner, attr, old in reversed(self._patched):
             if old is _MISSING:
                 delattr(owner, attr)
@@ -243,7 +250,14 @@ class MindSporeDumper:
 
     # ------------------------------------------------------------------ jit handling per step
     def on_start(self) -> None:
-        if self.recorder.cfg.jit != "pynative" or not self.recorder.step_selected:
+        if not self.recorder.step_selected:
+            return
+        if not self.handles:
+            for cell, path, cls, parent in self.plan:
+                self._hook_cell(cell, path, cls, parent)
+        if self.recorder.cfg.level in ("L1", "mix") and not self._patched:
+            self._patch_apis()
+        if self.recorder.cfg.jit != "pynative":
             return
         import mindspore as ms
 
@@ -255,6 +269,13 @@ class MindSporeDumper:
             ms.set_context(mode=ms.PYNATIVE_MODE)
 
     def on_stop(self) -> None:
+        self._remove_hooks()
+        for owner, attr, old in reversed(self._patched):
+            if old is _MISSING:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, old)
+        self._patched.clear()
         if not self._switched:
             return
         import mindspore as ms

@@ -5,6 +5,8 @@ as MindSpore, so both write the same format (`Module.` instead of `Cell.`).
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import warnings
 from typing import Any
@@ -19,6 +21,7 @@ _QUIET = (
     r"For backward hooks to be called, module output should be a Tensor",
     r"Full backward hook is firing when gradients are computed with respect to module outputs",
 )
+_HOOKS_FILE = os.path.join("torch", "utils", "hooks.py")
 # Tensor attribute reads and bookkeeping calls that TorchFunctionMode also sees; not APIs worth a row.
 _SKIP_APIS = {"__get__", "__set__", "dim", "size", "numel", "is_floating_point", "is_complex", "__len__", "stride"}
 
@@ -67,6 +70,12 @@ class TorchAdapter:
         return None
 
 
+def _is_functional(func: Any, name: str) -> bool:
+    import torch.nn.functional as F
+
+    return getattr(F, name, None) is func
+
+
 def api_prefix_and_name(func: Any) -> tuple[str, str]:
     """msprobe's prefix for a torch callable: Tensor methods, Functional (torch.nn.functional), Torch."""
     name = getattr(func, "__name__", None) or type(func).__name__
@@ -76,7 +85,7 @@ def api_prefix_and_name(func: Any) -> tuple[str, str]:
         return "Tensor", name
     if module.startswith("torch._tensor") or getattr(func, "__qualname__", "").startswith("Tensor."):
         return "Tensor", name
-    if module == "torch.nn.functional":
+    if module == "torch.nn.functional" or _is_functional(func, name):
         return "Functional", name
     return "Torch", name
 
@@ -88,15 +97,15 @@ class TorchDumper:
         self.recorder = recorder
         self.models = models
         self.handles: list[Any] = []
+        self.plan: list[tuple[Any, str, str, tuple[str, str] | None]] = []
         self.jit_cells: list[str] = []
         self._local = threading.local()
         self._mode = None
         self._filters: list[tuple] = []
 
     def attach(self) -> None:
-        for message in _QUIET:
-            warnings.filterwarnings("ignore", message=message, category=UserWarning)
-            self._filters.append(warnings.filters[0])
+        """Plan which modules get hooks; the hooks go in at on_start() and out at on_stop(), so steps
+        that are not dumped run the model untouched."""
         for prefix, model in self.models:
             modules = dict(model.named_modules())
             for name, module in modules.items():
@@ -107,7 +116,7 @@ class TorchDumper:
                 parent = None
                 if parent_name and parent_name in modules:
                     parent = (f"{prefix}.{parent_name}" if prefix else parent_name, type(modules[parent_name]).__name__)
-                self._hook_module(module, path, type(module).__name__, parent)
+                self.plan.append((module, path, type(module).__name__, parent))
 
     def _guarded(self, fn, *args) -> None:
         if self.recorder.active and not getattr(self._local, "busy", False):
@@ -144,17 +153,19 @@ class TorchDumper:
         return hook
 
     def detach(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
-        for f in self._filters:
-            if f in warnings.filters:
-                warnings.filters.remove(f)
-        self._filters.clear()
+        self.on_stop()
 
     # ------------------------------------------------------------------ API level through TorchFunctionMode
     def on_start(self) -> None:
-        if self.recorder.cfg.level not in ("L1", "mix") or not self.recorder.step_selected:
+        if not self.recorder.step_selected:
+            return
+        if not self.handles:
+            for message in _QUIET:
+                warnings.filterwarnings("ignore", message=message, category=UserWarning)
+                self._filters.append(warnings.filters[0])
+            for module, path, cls, parent in self.plan:
+                self._hook_module(module, path, cls, parent)
+        if self.recorder.cfg.level not in ("L1", "mix") or self._mode is not None:
             return
         from torch.overrides import TorchFunctionMode
 
@@ -165,7 +176,9 @@ class TorchDumper:
                 kwargs = kwargs or {}
                 out = func(*args, **kwargs)
                 local = dumper._local
-                if dumper.recorder.active and not getattr(local, "busy", False):
+                # Calls made by torch's own backward-hook machinery are not the model's.
+                caller = sys._getframe(1).f_code.co_filename
+                if dumper.recorder.active and not getattr(local, "busy", False) and not caller.endswith(_HOOKS_FILE):
                     prefix, name = api_prefix_and_name(func)
                     if _worth_a_row(name, out, dumper.recorder.adapter):
                         local.busy = True
@@ -179,6 +192,13 @@ class TorchDumper:
         self._mode.__enter__()
 
     def on_stop(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        for f in self._filters:
+            if f in warnings.filters:
+                warnings.filters.remove(f)
+        self._filters.clear()
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None

@@ -66,13 +66,24 @@ class _Frame:
     stack: tuple[str, ...] | None = None
 
 
+def _framework_dirs() -> tuple[str, ...]:
+    """Install folders of the loaded frameworks: their internal frames are left out of stacks."""
+    dirs = [_PKG_DIR]
+    for name in ("mindspore", "torch"):
+        mod = sys.modules.get(name)
+        if mod is not None and getattr(mod, "__file__", None):
+            dirs.append(os.path.dirname(mod.__file__) + os.sep)
+    return tuple(dirs)
+
+
 def call_stack(skip: int = 2) -> tuple[str, ...]:
     """The user's call stack, innermost first, in msprobe's stack.json line format."""
     frames = []
+    skip_dirs = _framework_dirs()
     f = sys._getframe(skip)
     while f is not None and len(frames) < MAX_STACK_FRAMES:
         filename = f.f_code.co_filename
-        if not filename.startswith(_PKG_DIR) and not filename.endswith(_SKIP_FILES):
+        if not filename.startswith(skip_dirs) and not filename.endswith(_SKIP_FILES):
             code = linecache.getline(filename, f.f_lineno).strip()
             frames.append(f"File {filename}, line {f.f_lineno}, in {f.f_code.co_name}, \n {code}")
         f = f.f_back

@@ -85,7 +85,7 @@ def row_status(mode: str, m: dict[str, Any], shape_ok: bool, th: Thresholds) -> 
         return "pass", ""
     d = deviation(mode, m)
     if d > th.deviation_error:
-        return "error", f"Deviation {d:.4g} > {th.deviation_error}"
+        return "error", f"Deviation {d:.6g} > {th.deviation_error}"
     if d > th.deviation_warning:
         return "warning", f"Deviation {d:.4g} > {th.deviation_warning}"
     return "pass", ""
@@ -132,7 +132,7 @@ def module_verdict(
     if mode != "tensor" and outputs and d_in < th.deviation_warning and d_out > th.deviation_error:
         return (
             "error",
-            f"output deviation {d_out:.4g} > {th.deviation_error} while the inputs' is {d_in:.3g}",
+            f"output deviation {d_out:.6g} > {th.deviation_error} while the inputs' is {d_in:.3g}",
             d_in,
             d_out,
         )

@@ -1,0 +1,240 @@
+"""Overhead of the ms-monitor agent on a 50 ms training step, against the same step without it.
+
+    python benchmarks/bench_monitor.py [--quick] [--out benchmarks/results/monitor.json]
+
+Two step bodies of about 50 ms: a sleep (a step that waits, as on an accelerator) and numpy work on
+one CPU thread (a step that competes with the agent's shipper thread for the CPU and the GIL).
+Each step has four ranges (forward, backward, optimizer, and a comm range), as a custom training
+loop would. Three configurations run interleaved in blocks, in one process, so drift of a busy
+machine hits them alike: no agent; the agent shipping to a live daemon (a separate process, Unix
+socket); the agent with no daemon (samples queue up and are dropped). The rows give the median
+step time of each and its overhead against no agent. A last row times the monitor calls alone
+(empty step and ranges, many iterations): the agent's cost on the training thread per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one compute thread: the agent's thread competes with it
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import numpy as np
+from ms_monitor import Monitor
+
+STEP_S = 0.05
+RANGES = (
+    ("forward", "phase", 0.35),
+    ("backward", "phase", 0.45),
+    ("optimizer", "phase", 0.1),
+    ("allreduce", "comm", 0.1),
+)
+
+
+def _calibrate_compute(target_s: float) -> int:
+    """Matmul repetitions of a 128x128 float32 product that take about target_s on an idle core
+    (the fastest of several trials: a busy machine only makes a trial slower)."""
+    a = np.random.default_rng(0).standard_normal((128, 128)).astype(np.float32)
+    reps = 200
+    best = float("inf")
+    for _ in range(7):
+        t = time.perf_counter()
+        for _ in range(reps):
+            a @ a
+        best = min(best, time.perf_counter() - t)
+    return max(1, int(reps * target_s / best))
+
+
+def make_work(kind: str):
+    if kind == "sleep":
+        return lambda share: time.sleep(STEP_S * share)
+    a = np.random.default_rng(0).standard_normal((128, 128)).astype(np.float32)
+    per_step = _calibrate_compute(STEP_S)
+
+    def work(share: float) -> None:
+        for _ in range(max(1, int(per_step * share))):
+            a @ a
+
+    return work
+
+
+def run_block(work, mon: Monitor | None, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        if mon is None:
+            for _name, _kind, share in RANGES:
+                work(share)
+        else:
+            with mon.step(tokens=4096):
+                for name, kind, share in RANGES:
+                    with mon.range(name, kind):
+                        work(share)
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def calls_only(mon: Monitor, iters: int) -> float:
+    """Seconds per step spent in the monitor calls themselves (empty step and ranges)."""
+    t = time.perf_counter()
+    for _ in range(iters):
+        with mon.step(tokens=4096):
+            for name, kind, _share in RANGES:
+                with mon.range(name, kind):
+                    pass
+    return (time.perf_counter() - t) / iters
+
+
+def start_daemon(sock: str) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ms_monitor", "daemon", "--port", "-1", "--http-port", "-1", "--unix", sock],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while not os.path.exists(sock):
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise RuntimeError("the ms-monitor daemon did not start")
+        time.sleep(0.05)
+    return proc
+
+
+def measure(kind: str, blocks: int, block_steps: int, sock: str, gone: str) -> dict[str, list[float]]:
+    work = make_work(kind)
+    live = Monitor(rank=0, addr=f"unix:{sock}")
+    dead = Monitor(rank=1, addr=f"unix:{gone}", queue_size=16)
+    while not live.stats()["connected"]:
+        time.sleep(0.05)
+    configs = {"no agent": None, "agent, daemon live": live, "agent, no daemon": dead}
+    times: dict[str, list[list[float]]] = {name: [] for name in configs}
+    run_block(work, None, 3)  # warm-up
+    for b in range(blocks):
+        order = list(configs)[b % 3 :] + list(configs)[: b % 3]  # rotate who goes first
+        for name in order:
+            times[name].append(run_block(work, configs[name], block_steps))
+    sent, dropped = live.stats()["sent"], dead.stats()["dropped"]
+    live.close()
+    dead.close()
+    print(f"{kind}: live agent sent {sent} samples; the agent without a daemon dropped {dropped}")
+    return times
+
+
+def rows_for(kind: str, times: dict[str, list[list[float]]]) -> list[dict]:
+    """Overhead = median over rounds of (block median with the agent / block median without, same round) - 1:
+    pairing blocks of one round cancels the drift of a busy machine."""
+    base_blocks = [float(np.median(b)) for b in times["no agent"]]
+    rows = []
+    for name, blocks in times.items():
+        ts = [t for b in blocks for t in b]
+        med = float(np.median(ts))
+        paired = [float(np.median(b)) / base for b, base in zip(blocks, base_blocks)]
+        rows.append(
+            {
+                "step": f"{kind} {STEP_S * 1e3:.0f} ms",
+                "config": name,
+                "steps": len(ts),
+                "median_ms": round(med * 1e3, 3),
+                "mean_ms": round(float(np.mean(ts)) * 1e3, 3),
+                "overhead_pct": None if name == "no agent" else round((float(np.median(paired)) - 1) * 100, 3),
+            }
+        )
+    return rows
+
+
+def _version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def _print(rows: list[dict], title: str) -> None:
+    cells = [{k: ("n/a" if v is None else str(v)) for k, v in row.items()} for row in rows]
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(title)
+        widths = {c: max(len(c), *(len(r.get(c, "")) for r in cells)) for c in columns}
+        print("  ".join(c.rjust(widths[c]) for c in columns))
+        for r in cells:
+            print("  ".join(r.get(c, "").rjust(widths[c]) for c in columns))
+        return
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c, justify="right")
+    for r in cells:
+        table.add_row(*(r.get(c, "") for c in columns))
+    Console().print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps (smoke test)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/monitor.json"))
+    args = parser.parse_args(argv)
+    blocks, block_steps = (4, 10) if args.quick else (24, 10)
+
+    start = time.perf_counter()
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="msmon-bench") as d:
+        sock, gone = os.path.join(d, "d.sock"), os.path.join(d, "none.sock")
+        daemon = start_daemon(sock)
+        try:
+            for kind in ("sleep", "numpy"):
+                rows += rows_for(kind, measure(kind, blocks, block_steps, sock, gone))
+            mon = Monitor(rank=2, addr=f"unix:{sock}", queue_size=1 << 20)
+            calls_only(mon, 2000)  # warm-up
+            per_step = calls_only(mon, 20000 if not args.quick else 5000)
+            mon.close()
+        finally:
+            daemon.terminate()
+            daemon.wait(10)
+    rows.append(
+        {
+            "step": "empty (monitor calls only)",
+            "config": "agent, daemon live",
+            "steps": 20000 if not args.quick else 5000,
+            "calls_us_per_step": round(per_step * 1e6, 2),
+            "overhead_pct": round(per_step / STEP_S * 100, 4),
+        }
+    )
+    title = "monitor: agent overhead on a 50 ms step (1 step + 4 ranges), interleaved with no agent"
+    _print(rows, title)
+    result = {
+        "benchmark": "monitor",
+        "title": "agent overhead on a 50 ms step vs no agent (same run, interleaved blocks)",
+        "machine": {
+            "nproc": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+            "msgpack": _version("msgpack"),
+            "ms-monitor": _version("ms-monitor"),
+            "load_avg_1m": round(os.getloadavg()[0], 2),
+        },
+        "quick": args.quick,
+        "wall_s": round(time.perf_counter() - start, 1),
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(args.out)  # written whole or not at all
+    print(f"wrote {args.out} ({result['wall_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

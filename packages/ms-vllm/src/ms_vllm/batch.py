@@ -1,0 +1,134 @@
+"""The worker's view of requests, and the flat batch one engine step feeds the model (numpy only).
+
+vLLM's scheduler sends each request's data once (NewRequestData) and afterwards only the diff
+(CachedRequestData: computed-token count, new block ids, how many outputs it kept). The worker
+keeps each request's tokens, blocks and sampler state here, and turns one SchedulerOutput into
+vLLM V1's flat layout that ms_models' `forward_paged` takes: the scheduled tokens of every request
+back to back, their positions, cache slots (`block * block_size + offset`), block tables, context
+lengths and `query_start_loc`. A request whose scheduled tokens stop short of its known tokens is
+a prefill chunk (chunked prefill) and gets no sample; a prefix-cache hit just arrives with
+`num_computed_tokens > 0`, so its cached positions are neither recomputed nor rewritten.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class RequestState:
+    """One request as the worker tracks it between steps."""
+
+    req_id: str
+    """vLLM's request id."""
+    prompt_token_ids: list[int]
+    """The prompt."""
+    sampling_params: object
+    """vllm.SamplingParams."""
+    block_ids: list[int]
+    """Cache blocks of the request, in order (one KV cache group)."""
+    num_computed_tokens: int
+    """Tokens whose keys/values are in the cache (set by the scheduler each step)."""
+    output_token_ids: list[int] = field(default_factory=list)
+    """Tokens generated so far."""
+    generator: np.random.Generator | None = None
+    """Per-request generator for seeded sampling."""
+    lora_name: str | None = None
+    """Adapter of the request (None: the base model)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_at(self, position: int, spec: list[int]) -> int:
+        """Token at `position` of prompt + outputs + this step's speculative tokens."""
+        n_prompt = len(self.prompt_token_ids)
+        if position < n_prompt:
+            return self.prompt_token_ids[position]
+        position -= n_prompt
+        if position < len(self.output_token_ids):
+            return self.output_token_ids[position]
+        return spec[position - len(self.output_token_ids)]
+
+
+@dataclass
+class StepBatch:
+    """The flat inputs of one forward call and where to read the logits back."""
+
+    req_ids: list[str]
+    """Scheduled requests in batch order."""
+    input_ids: np.ndarray
+    """[T] scheduled tokens, request after request."""
+    positions: np.ndarray
+    """[T] position of each token in its request."""
+    slot_mapping: np.ndarray
+    """[T] cache slot of each token."""
+    block_tables: np.ndarray
+    """[N, max_blocks] block ids (0-padded)."""
+    seq_lens: np.ndarray
+    """[N] context length after this step."""
+    query_start_loc: np.ndarray
+    """[N + 1] where each request's tokens start."""
+    sample_rows: list[list[int]]
+    """Per request: flat rows whose logits are sampled ([] for a prefill chunk; 1 + drafts with spec decode)."""
+    spec_tokens: list[list[int]]
+    """Per request: the draft tokens being verified this step."""
+
+    @property
+    def logits_indices(self) -> np.ndarray:
+        return np.asarray([r for rows in self.sample_rows for r in rows], np.int32)
+
+
+def slots_for(block_ids: list[int], positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Cache slot of each position of a request with these blocks."""
+    table = np.asarray(block_ids, np.int64)
+    if positions.size and positions.max() // block_size >= table.size:
+        raise IndexError(f"position {int(positions.max())} is past the {table.size} blocks of the request")
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+def build_batch(
+    states: dict[str, RequestState],
+    num_scheduled: dict[str, int],
+    spec_tokens: dict[str, list[int]],
+    block_size: int,
+) -> StepBatch:
+    """The flat batch for the requests scheduled this step (in `num_scheduled` order)."""
+    ids, pos, slots, starts, lens, rows, specs, tables = [], [], [], [0], [], [], [], []
+    for req_id, n in num_scheduled.items():
+        st = states[req_id]
+        spec = list(spec_tokens.get(req_id, ()))
+        start = st.num_computed_tokens
+        p = np.arange(start, start + n, dtype=np.int64)
+        ids.extend(st.token_at(int(q), spec) for q in p)
+        pos.append(p)
+        slots.append(slots_for(st.block_ids, p, block_size))
+        first = starts[-1]
+        starts.append(first + n)
+        lens.append(start + n)
+        tables.append(st.block_ids)
+        # The last scheduled non-draft token is sampled once every known token is in the cache;
+        # before that the request is a prefill chunk. Each draft is verified at its own row.
+        known_end = start + n - len(spec)
+        if known_end < st.num_tokens:
+            rows.append([])
+        else:
+            rows.append(list(range(first + n - 1 - len(spec), first + n)))
+        specs.append(spec)
+    width = max((len(t) for t in tables), default=1) or 1
+    block_tables = np.zeros((len(tables), width), np.int32)
+    for i, t in enumerate(tables):
+        block_tables[i, : len(t)] = t
+    return StepBatch(
+        req_ids=list(num_scheduled),
+        input_ids=np.asarray(ids, np.int32),
+        positions=np.concatenate(pos).astype(np.int32) if pos else np.zeros(0, np.int32),
+        slot_mapping=np.concatenate(slots).astype(np.int32) if slots else np.zeros(0, np.int32),
+        block_tables=block_tables,
+        seq_lens=np.asarray(lens, np.int32),
+        query_start_loc=np.asarray(starts, np.int32),
+        sample_rows=rows,
+        spec_tokens=specs,
+    )

@@ -1,0 +1,21 @@
+"""Build the MindSpore model a worker serves from vLLM's config: an HF directory of safetensors."""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+def load_ms_model(vllm_config):
+    """The ms_models model of `model_config.model` (float32 on MindSpore's CPU kernels)."""
+    import ms_models
+
+    model_config = vllm_config.model_config
+    path = model_config.model
+    model = ms_models.from_pretrained(path)
+    model.set_train(False)
+    if str(model_config.dtype) not in ("torch.float32", "float32"):
+        # bf16 matmuls have no MindSpore CPU kernel; the weights were read as float32.
+        logger.info("ms-vllm computes in float32 (model_config.dtype=%s)", model_config.dtype)
+    return model

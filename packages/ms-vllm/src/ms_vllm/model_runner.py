@@ -1,0 +1,227 @@
+"""The model runner: one vLLM SchedulerOutput in, one ModelRunnerOutput out, MindSpore in between.
+
+Per engine step:
+1. fold the scheduler's diff into the per-request states (batch.py);
+2. build the flat paged batch and run the ms_models decoder over it (`model.model.forward_paged`,
+   which writes every layer's paged cache and returns the final hidden states);
+3. take logits only at the rows that need a token, sample them (sampler.py), and verify draft
+   tokens when speculative decoding scheduled some (a draft is kept while it equals the token the
+   target samples at its position: exact for greedy, and the exact rejection rule for a one-hot
+   draft under random sampling);
+4. with multi-step on, run more decode iterations for a pure-decode batch before returning
+   (multistep.py explains the scheduler side);
+5. with MTP on, propose the next drafts from the hidden states (spec_decode.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from .batch import RequestState, StepBatch, build_batch, slots_for
+from .sampler import SamplingRow, logprobs_of, sample_row
+
+logger = logging.getLogger(__name__)
+
+
+def _stops(state: RequestState, token: int, max_model_len: int) -> bool:
+    """Would the scheduler finish the request after this token? (worker-side check for multi-step)."""
+    p = state.sampling_params
+    n_out = len(state.output_token_ids)
+    if p.max_tokens is not None and n_out >= p.max_tokens:
+        return True
+    if state.num_tokens >= max_model_len:
+        return True
+    if n_out < p.min_tokens:
+        return False
+    if token in (p.stop_token_ids or ()):
+        return True
+    return not p.ignore_eos and token in p.all_stop_token_ids
+
+
+class MindSporeModelRunner:
+    """Request states, the paged KV cache and the step loop of one worker."""
+
+    def __init__(self, vllm_config, model, multi_step: int = 1, lora=None, drafter=None, parallel=None):
+        self.vllm_config = vllm_config
+        self.model = model
+        self.block_size = vllm_config.cache_config.block_size
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.multi_step = multi_step
+        self.lora = lora
+        self.drafter = drafter
+        self.parallel = parallel
+        self.requests: dict[str, RequestState] = {}
+        self.kv_caches: list | None = None
+        self.shared_rng = np.random.default_rng(vllm_config.model_config.seed or 0)
+        self.pending_drafts = None
+
+    # ------------------------------------------------------------------ KV cache
+    def cache_bytes_per_block(self) -> int:
+        shapes = self.model.kv_cache_shapes(1, self.block_size)
+        if self.drafter is not None:
+            shapes = shapes + self.drafter.cache_shapes(1, self.block_size)
+        return int(sum(4 * np.prod(s) for layer in shapes for s in layer))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        from ms_models import allocate_kv_caches
+
+        self.kv_caches = allocate_kv_caches(self.model, num_blocks, self.block_size)
+        if self.drafter is not None:
+            self.drafter.allocate(num_blocks, self.block_size)
+        logger.info("ms-vllm: %d KV blocks of %d tokens", num_blocks, self.block_size)
+
+    # ------------------------------------------------------------------ request states
+    def update_states(self, so) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            seed = getattr(params, "seed", None)
+            lora = new.lora_request
+            self.requests[new.req_id] = RequestState(
+                req_id=new.req_id,
+                prompt_token_ids=list(new.prompt_token_ids or []),
+                sampling_params=params,
+                block_ids=list(new.block_ids[0]),
+                num_computed_tokens=new.num_computed_tokens,
+                generator=np.random.default_rng(seed) if seed is not None else None,
+                lora_name=None if lora is None else lora.lora_name,
+            )
+            if self.lora is not None and lora is not None:
+                self.lora.add(lora)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self.requests[req_id]
+            st.num_computed_tokens = cached.num_computed_tokens[i]
+            if i < len(cached.num_output_tokens):
+                del st.output_token_ids[cached.num_output_tokens[i] :]
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                st.block_ids = list(new_blocks[0])
+            elif new_blocks is not None:
+                st.block_ids.extend(new_blocks[0])
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, batch: StepBatch):
+        """Final hidden states [T, H] (MindSpore tensor) of the flat batch; caches written in place."""
+        from mindspore import Tensor
+        from ms_models import PagedMetadata
+
+        meta = PagedMetadata.build(
+            batch.positions,
+            batch.slot_mapping,
+            batch.block_tables,
+            batch.seq_lens,
+            batch.query_start_loc,
+            self.block_size,
+        )
+        ids, pos = Tensor(batch.input_ids), Tensor(batch.positions)
+        if self.lora is not None:
+            self.lora.set_batch([self.requests[r].lora_name for r in batch.req_ids], batch.query_start_loc)
+        return self.model.model.forward_paged(ids, pos, self.kv_caches, meta)
+
+    def logits(self, hidden, rows: np.ndarray) -> np.ndarray:
+        from mindspore import Tensor
+
+        if rows.size == 0:
+            return np.zeros((0, self.model.config.vocab_size), np.float32)
+        out = self.model.compute_logits(hidden[Tensor(rows.astype(np.int32))])
+        if self.parallel is not None:
+            out = self.parallel.gather_logits(out)
+        return out.asnumpy()
+
+    # ------------------------------------------------------------------ sampling
+    def _row(self, st: RequestState) -> SamplingRow:
+        return SamplingRow(st.sampling_params, st.generator, st.prompt_token_ids, st.output_token_ids)
+
+    def sample(self, batch: StepBatch, logits: np.ndarray) -> tuple[list[list[int]], list[np.ndarray]]:
+        """Tokens per request (drafts verified) and the logits row of each emitted token."""
+        out, used, cursor = [], [], 0
+        for req_id, rows, spec in zip(batch.req_ids, batch.sample_rows, batch.spec_tokens):
+            st = self.requests[req_id]
+            emitted, kept_rows = [], []
+            for j in range(len(rows)):
+                row = logits[cursor + j]
+                token = sample_row(row, self._row(st), self.shared_rng)
+                emitted.append(token)
+                kept_rows.append(row)
+                st.output_token_ids.append(token)
+                if j >= len(spec) or token != spec[j]:
+                    break
+            cursor += len(rows)
+            out.append(emitted)
+            vocab = logits.shape[-1]
+            used.append(np.asarray(kept_rows, np.float32).reshape(len(kept_rows), vocab))
+        return out, used
+
+    # ------------------------------------------------------------------ the step
+    def execute(self, so):
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+        self.update_states(so)
+        if not so.total_num_scheduled_tokens:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        batch = build_batch(self.requests, so.num_scheduled_tokens, so.scheduled_spec_decode_tokens, self.block_size)
+        hidden = self.forward(batch)
+        sampled, rows = self.sample(batch, self.logits(hidden, batch.logits_indices))
+        if self.multi_step > 1 and self._pure_decode(batch):
+            self._more_decode_steps(batch, sampled, rows)
+        if self.drafter is not None:
+            self.pending_drafts = self.drafter.propose(self, batch, hidden, sampled)
+        return ModelRunnerOutput(
+            req_ids=batch.req_ids,
+            req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=self._logprobs(batch, sampled, rows),
+        )
+
+    def _logprobs(self, batch: StepBatch, sampled: list[list[int]], rows: list[np.ndarray]):
+        wanted = [self.requests[r].sampling_params.logprobs for r in batch.req_ids]
+        wanted = [w for w in wanted if w is not None]
+        if not wanted:
+            return None
+        from vllm.v1.outputs import LogprobsLists
+
+        k = max(wanted)
+        if k < 0:  # -1: the whole vocabulary
+            k = self.model.config.vocab_size
+        flat = [t for toks in sampled for t in toks]
+        if not flat:
+            return None
+        ids, vals, ranks = logprobs_of(np.concatenate(rows), np.asarray(flat, np.int64), k)
+        cu = np.concatenate([[0], np.cumsum([len(t) for t in sampled])]).astype(int).tolist()
+        return LogprobsLists(ids, vals, ranks, cu)
+
+    # ------------------------------------------------------------------ multi-step
+    def _pure_decode(self, batch: StepBatch) -> bool:
+        return all(len(r) == 1 for r in batch.sample_rows) and not any(batch.spec_tokens) and (
+            len(batch.input_ids) == len(batch.req_ids)
+        )
+
+    def _more_decode_steps(self, batch: StepBatch, sampled: list[list[int]], rows: list[np.ndarray]) -> None:
+        """Up to multi_step - 1 further decode iterations on the blocks the scheduler reserved ahead."""
+        index = {r: i for i, r in enumerate(batch.req_ids)}
+        for _ in range(self.multi_step - 1):
+            live = []
+            for req_id in batch.req_ids:
+                st = self.requests[req_id]
+                pos = st.num_tokens - 1
+                last = st.output_token_ids[-1]
+                if _stops(st, last, self.max_model_len) or pos // self.block_size >= len(st.block_ids):
+                    continue
+                live.append(req_id)
+            if not live:
+                return
+            for req_id in live:  # the previous token's keys/values are written by this iteration
+                self.requests[req_id].num_computed_tokens = self.requests[req_id].num_tokens - 1
+            step = build_batch(self.requests, {r: 1 for r in live}, {}, self.block_size)
+            hidden = self.forward(step)
+            new, new_rows = self.sample(step, self.logits(hidden, step.logits_indices))
+            for req_id, toks, r in zip(live, new, new_rows):
+                sampled[index[req_id]].extend(toks)
+                rows[index[req_id]] = np.concatenate([rows[index[req_id]], r])
+
+
+__all__ = ["MindSporeModelRunner", "slots_for"]

@@ -1,0 +1,164 @@
+"""The vLLM worker: the process-level object vLLM's executor drives through `collective_rpc`.
+
+vLLM calls, in order: `init_device`, `load_model`, `get_kv_cache_spec`,
+`determine_available_memory`, `initialize_from_config` (the block count the engine settled on),
+`compile_or_warm_up_model`, then `execute_model` once per engine step (and `take_draft_token_ids`
+after it when speculative decoding is on). With tensor/expert parallelism every worker process
+runs the same calls on its shard; they meet in ms_layout.comm's gloo collectives (parallel.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+
+from .platform import guard_accelerator_cache, multi_step_from
+
+logger = logging.getLogger(__name__)
+
+KV_CACHE_BYTES_ENV = "MS_VLLM_KV_CACHE_BYTES"
+DEFAULT_KV_CACHE_BYTES = 256 << 20
+"""KV cache size when neither kv_cache_memory_bytes nor $MS_VLLM_KV_CACHE_BYTES is given."""
+
+
+class MindSporeWorker(WorkerBase):
+    """Runs ms-models with MindSpore for vLLM's V1 engine (one process per TP/EP rank)."""
+
+    def __init__(self, vllm_config, local_rank: int, rank: int, distributed_init_method: str, is_driver_worker=False):
+        super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
+        self.runner = None
+        self.parallel = None
+        guard_accelerator_cache()
+
+    # ------------------------------------------------------------------ set-up
+    def init_device(self) -> None:
+        import mindspore as ms
+
+        from .ops import ascend_available
+
+        self.device = torch.device("cpu")
+        ms.set_device("Ascend" if ascend_available() else "CPU")
+        threads = os.environ.get("MS_VLLM_THREADS")
+        if threads:
+            ms.set_context(runtime_num_threads=int(threads))
+        pc = self.parallel_config
+        if pc.world_size > 1:
+            from .parallel import ParallelRuntime
+
+            self.parallel = ParallelRuntime.start(self.vllm_config, self.rank, self.distributed_init_method)
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        from .model_runner import MindSporeModelRunner
+        from .models import resolve_model_class
+
+        cls = resolve_model_class(self.model_config)
+        wrapper = cls(vllm_config=self.vllm_config)
+        model = wrapper.ms_model
+        if self.parallel is not None:
+            model = self.parallel.shard_model(model)
+        lora = None
+        if self.vllm_config.lora_config is not None:
+            from .lora import LoRAManager
+
+            lora = LoRAManager(model, self.vllm_config.lora_config)
+        drafter = None
+        spec = self.vllm_config.speculative_config
+        if spec is not None:
+            from .spec_decode import MTPDrafter
+
+            drafter = MTPDrafter(model, spec)
+        self.runner = MindSporeModelRunner(
+            self.vllm_config, model, multi_step_from(self.vllm_config), lora, drafter, self.parallel
+        )
+        self.model_wrapper = wrapper
+
+    def get_model(self):
+        return self.model_wrapper
+
+    def get_kv_cache_spec(self) -> dict:
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+        model = self.runner.model
+        bs = self.cache_config.block_size
+        out = {}
+        for i, shapes in enumerate(model.kv_cache_shapes(1, bs)):
+            name = f"model.layers.{i}.self_attn.attn"
+            if len(shapes) == 1:  # MLA: one latent cache [blocks, block_size, rank + rope]
+                out[name] = MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=shapes[0][-1], dtype=torch.float32)
+            else:
+                _, _, heads, dim = shapes[0]
+                out[name] = FullAttentionSpec(block_size=bs, num_kv_heads=heads, head_size=dim, dtype=torch.float32)
+        return out
+
+    def determine_available_memory(self) -> int:
+        explicit = self.cache_config.kv_cache_memory_bytes
+        if explicit is None:
+            explicit = int(os.environ.get(KV_CACHE_BYTES_ENV, DEFAULT_KV_CACHE_BYTES))
+        # The engine divides this among the layers it knows (the main model's); the runner's extra
+        # caches (the MTP layer) are taken out of it here so the total stays within the budget.
+        runner = self.runner
+        main = runner.cache_bytes_per_block() if runner.drafter is None else None
+        if main is None:
+            with_draft = runner.cache_bytes_per_block()
+            drafter, runner.drafter = runner.drafter, None
+            main = runner.cache_bytes_per_block()
+            runner.drafter = drafter
+            return int(explicit * main / with_draft)
+        return int(explicit)
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        self.runner.initialize_kv_cache(kv_cache_config.num_blocks)
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        return CompilationTimes(language_model=0.0, encoder=0.0)
+
+    def get_supported_tasks(self):
+        return ("generate",)
+
+    def check_health(self) -> None:
+        return None
+
+    # ------------------------------------------------------------------ steps
+    def execute_model(self, scheduler_output):
+        out = self.runner.execute(scheduler_output)
+        if self.parallel is not None and not self.parallel.is_output_rank:
+            return None if self.rank else out
+        return out
+
+    def sample_tokens(self, grammar_output):
+        raise RuntimeError("ms-vllm samples inside execute_model; structured outputs are not supported")
+
+    def take_draft_token_ids(self):
+        from vllm.v1.outputs import DraftTokenIds
+
+        drafts, self.runner.pending_drafts = self.runner.pending_drafts, None
+        if drafts is None:
+            return None
+        req_ids, tokens = drafts
+        return DraftTokenIds(req_ids, tokens)
+
+    # ------------------------------------------------------------------ LoRA
+    def add_lora(self, lora_request) -> bool:
+        return self._lora().add(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._lora().remove(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return lora_id in self._lora().list()
+
+    def list_loras(self) -> set[int]:
+        return self._lora().list()
+
+    def _lora(self):
+        if self.runner is None or self.runner.lora is None:
+            raise RuntimeError("LoRA is not enabled: start the engine with enable_lora=True")
+        return self.runner.lora
+
+    def shutdown(self) -> None:
+        if self.parallel is not None:
+            self.parallel.close()
+            self.parallel = None

@@ -33,21 +33,34 @@ def components(sender: np.ndarray, recv: np.ndarray, n_ids: int) -> np.ndarray:
 
 
 def find_collectives(
-    sender: np.ndarray, recv: np.ndarray, boxes: np.ndarray, n_ids: int
+    sender: np.ndarray, recv: np.ndarray, boxes: np.ndarray, n_ids: int, elems: np.ndarray | None = None
 ) -> list[tuple[Collective, np.ndarray]]:
     """Collectives found among the transfers, each with the transfer rows it replaces."""
     if len(sender) == 0:
         return []
+    # Members of a complete exchange send as many transfers as they receive: transfers touching
+    # any other id cannot be in a collective, which usually rules out everything at once.
+    out_deg = np.bincount(sender, minlength=n_ids)
+    in_deg = np.bincount(recv, minlength=n_ids)
+    candidate = (out_deg == in_deg) & (out_deg > 0)
+    keep = candidate[sender] & candidate[recv]
+    if not keep.any():
+        return []
+    rows_all = np.flatnonzero(keep)
+    sender, recv, boxes = sender[keep], recv[keep], boxes[keep]
+    elems = None if elems is None else elems[keep]
     label = components(sender, recv, n_ids)
     comp = label[sender]
     involved = np.zeros(n_ids, dtype=bool)
     involved[sender] = involved[recv] = True
     size = np.bincount(label[involved], minlength=n_ids)
     n_xfer = np.bincount(comp, minlength=n_ids)
-    ok = (size >= 2) & (n_xfer == size * (size - 1))
+    # ... and every transfer of each member stays inside the component
+    total_out = np.bincount(label[involved], weights=out_deg[involved], minlength=n_ids).astype(np.int64)
+    ok = (size >= 2) & (n_xfer == size * (size - 1)) & (total_out == n_xfer)
     if not ok.any():
         return []
-    elems = box_elems(boxes)
+    elems = box_elems(boxes) if elems is None else elems
     lo = np.full(n_ids, np.iinfo(np.int64).max)
     hi = np.zeros(n_ids, dtype=np.int64)
     np.minimum.at(lo, comp, elems)
@@ -63,7 +76,7 @@ def find_collectives(
     bounds = np.searchsorted(comp[order], np.flatnonzero(ok))
     for c, start in zip(np.flatnonzero(ok), bounds):
         rows = order[start : start + n_xfer[c]]
-        out.append((_collective(sender[rows], recv[rows], boxes[rows], int(hi[c])), rows))
+        out.append((_collective(sender[rows], recv[rows], boxes[rows], int(hi[c])), rows_all[rows]))
     return out
 
 

@@ -98,7 +98,13 @@ def box_tuple(box: np.ndarray) -> Box:
 
 def box_elems(boxes: np.ndarray) -> np.ndarray:
     """Elements in each of a stack of boxes [..., ndim, 2]."""
-    return np.prod(boxes[..., 1] - boxes[..., 0], axis=-1, dtype=np.int64)
+    extent = boxes[..., 1] - boxes[..., 0]
+    if extent.shape[-1] == 0:
+        return np.ones(extent.shape[:-1], dtype=np.int64)
+    out = extent[..., 0].astype(np.int64)
+    for d in range(1, extent.shape[-1]):  # a loop over dims beats np.prod's reduction on [n, 2] rows
+        out = out * extent[..., d]
+    return out
 
 
 @dataclass(frozen=True, eq=False)

@@ -161,16 +161,18 @@ def plan_ids(
     recv = np.repeat(dst_ids, n_per)
     first = np.repeat(starts[dst_chunk], n_per)
     piece = first + np.arange(len(recv)) - np.repeat(np.cumsum(n_per) - n_per, n_per)
-    chunk, boxes = p_src[piece], p_box[piece]
+    # Work on piece indices and gather the [rows, ndim, 2] boxes once, at the end (the big copy).
+    p_elems = box_elems(p_box)
+    chunk = p_src[piece]
     local = held_chunk[recv] == chunk
+    copy_id, copy_box = recv[local], p_box[piece[local]]
+    remote = ~local
+    recv, chunk, piece = recv[remote], chunk[remote], piece[remote]
+    # Transfers stay in receiver order: any fixed order works, both ends of a message follow it.
+    sender = _choose_senders(recv, chunk, p_elems[piece], holders)
+    boxes = p_box[piece]
 
-    copy_id, copy_box = recv[local], boxes[local]
-    recv, chunk, boxes = recv[~local], chunk[~local], boxes[~local]
-    sender = _choose_senders(recv, chunk, box_elems(boxes), holders)
-    order = np.argsort(sender * n_ids + recv, kind="stable")
-    sender, recv, boxes = sender[order], recv[order], boxes[order]
-
-    found = find_collectives(sender, recv, boxes, n_ids) if collectives else []
+    found = find_collectives(sender, recv, boxes, n_ids, p_elems[piece]) if collectives else []
     keep = np.ones(len(sender), dtype=bool)
     for _, rows in found:
         keep[rows] = False
@@ -178,9 +180,9 @@ def plan_ids(
     xfer_round, cols, (sender, recv, boxes), notes = assign_rounds(
         cols, sender[keep], recv[keep], boxes[keep], itemsize, mem_cap, n_ids
     )
-    sent, received = _traffic(sender, recv, boxes, cols, n_ids, itemsize)
+    sent, received = _traffic(sender, recv, box_elems(boxes), cols, n_ids, itemsize)
     lower = _lower_bound(src, dst, shape, src_ids, dst_ids, n_ids, itemsize)
-    rounds = int(max([0, *xfer_round.tolist(), *[c.round for c in cols]])) + 1
+    rounds = int(max(xfer_round.max(initial=0), max((c.round for c in cols), default=0))) + 1
     return TensorPlan(
         src, dst, shape, itemsize, mem_cap, ranks, copy_id, copy_box, sender, recv, xfer_round, boxes,
         tuple(cols), sent, received, lower, rounds, tuple(notes),
@@ -203,25 +205,32 @@ def _choose_senders(recv: np.ndarray, chunk: np.ndarray, elems: np.ndarray, hold
     same under any order-preserving relabeling of the ranks (which is what lets plans be reused)."""
     if len(recv) == 0:
         return recv.copy()
-    replicas = holders.shape[1]
-    # receivers in id order within each chunk; one stable sort when they already come sorted
-    order = np.argsort(chunk, kind="stable") if (np.diff(recv) >= 0).all() else np.lexsort((recv, chunk))
+    n_chunks, replicas = holders.shape
+    # Group rows by chunk, receivers in id order inside a group: rows come sorted by receiver, so
+    # one stable sort on the chunk does it (a radix sort when the chunk ids fit 16 bits).
+    if (np.diff(recv) >= 0).all():
+        key = chunk.astype(np.uint16) if n_chunks < 1 << 16 else chunk
+        order = np.argsort(key, kind="stable")
+    else:
+        order = np.lexsort((recv, chunk))
     c, e = chunk[order], elems[order]
-    cum = np.cumsum(e)
-    new_group = np.r_[True, c[1:] != c[:-1]]
-    group = np.cumsum(new_group) - 1
-    base = (cum - e)[new_group]
-    total = np.add.reduceat(e, np.flatnonzero(new_group))
-    before = cum - e - base[group]
-    slot = np.minimum(before * replicas // total[group], replicas - 1)
+    counts = np.bincount(c, minlength=n_chunks)
+    starts = np.cumsum(counts) - counts
+    if (e == e[0]).all():  # equal pieces: the block is the receiver's position in its group
+        before, total = np.arange(len(c)) - starts[c], counts[c]
+    else:
+        cum = np.cumsum(e) - e  # bytes before each row
+        base = cum[np.minimum(starts, len(c) - 1)]
+        before = cum - base[c]
+        total = np.bincount(c, weights=e, minlength=n_chunks).astype(np.int64)[c]
+    slot = np.minimum(before * replicas // total, replicas - 1)
     out = np.empty_like(recv)
     out[order] = holders[c, slot]
     return out
 
 
-def _traffic(sender, recv, boxes, cols, n_ids: int, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
+def _traffic(sender, recv, elems, cols, n_ids: int, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
     """Bytes each id sends and receives, point-to-point and in collectives."""
-    elems = box_elems(boxes)
     sent = np.bincount(sender, weights=elems, minlength=n_ids).astype(np.int64)
     received = np.bincount(recv, weights=elems, minlength=n_ids).astype(np.int64)
     for col in cols:

@@ -141,6 +141,15 @@ def test_module_rules_blame_outputs_not_inherited_errors():
     assert module_verdict("tensor", [t_in], [t_out], [], th)[0] == "error"
 
 
+def test_shapes_that_hold_the_same_data():
+    from ms_probe.compare import shapes_compatible
+
+    assert shapes_compatible((2, 8, 128), (2, 1, 8, 128)) is None  # HF's head axis
+    assert shapes_compatible((16, 64), (2, 8, 64)) is None  # tokens flattened
+    assert shapes_compatible((4, 4), (2, 8)) == "shape [4, 4] vs [2, 8]"
+    assert shapes_compatible((2, 3), (3, 2)) is not None
+
+
 def test_templates_map_both_ways():
     t, g = Template("model.decoder.layers.{i}.self_attention.linear_qb"), Template("decoder.layers.{i}.x.{rest*}")
     assert t.match("model.decoder.layers.12.self_attention.linear_qb") == {"i": "12"}

@@ -13,6 +13,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from .errors import ProbeError
 from .mapping import NameMapping
 from .metrics import stat_metrics, tensor_metrics
@@ -132,6 +134,18 @@ def dtype_kind(dtype: str) -> str:
     return "?"
 
 
+def shapes_compatible(a: tuple[int, ...], b: tuple[int, ...]) -> str | None:
+    """None when two shapes hold the same data; else why not. Frameworks often differ only by a
+    size-1 axis (HF's head axis in MLA) or by flattened leading dims (tokens as [B*S, H])."""
+    if a == b:
+        return None
+    if [d for d in a if d != 1] == [d for d in b if d != 1]:
+        return None
+    if a and b and a[-1] == b[-1] and int(np.prod(a)) == int(np.prod(b)):
+        return None
+    return f"shape {list(a)} vs {list(b)}"
+
+
 def pair_entries(
     t: DumpItem, g: DumpItem, mapping: NameMapping, golden_path: str
 ) -> list[tuple[DataEntry | None, DataEntry | None, str]]:
@@ -156,7 +170,7 @@ def pair_entries(
                 if (
                     ge.is_tensor
                     and ge.role == e.role
-                    and ge.shape == e.shape
+                    and shapes_compatible(ge.shape, e.shape) is None
                     and dtype_kind(ge.dtype) == dtype_kind(e.dtype)
                 ):
                     hit = ge
@@ -192,13 +206,15 @@ def _compare_pair(mode: str, td: RankDump, gd: RankDump, ti: DumpItem, gi: DumpI
         )
         row.result, row.message = ("pass", "") if same else ("warning", "values differ")
         return row
-    shape_ok = te.shape == ge.shape
+    shape_ok = shapes_compatible(te.shape, ge.shape) is None
     metrics: dict[str, Any] = {}
     row_mode = mode
+    if te.shape != ge.shape and shape_ok:
+        row.message = f"shapes {list(te.shape)} and {list(ge.shape)} hold the same data; compared flat"
     if mode == "tensor" and shape_ok:
         a, b = td.load_tensor(ti, te), gd.load_tensor(gi, ge)
-        if a is not None and b is not None and a.shape == b.shape:
-            metrics = tensor_metrics(a, b)
+        if a is not None and b is not None and a.size == b.size:
+            metrics = tensor_metrics(a.reshape(-1), b.reshape(-1))
         else:
             row_mode = "statistics"
             row.message = "tensor file unreadable; statistics compared"

@@ -55,7 +55,8 @@ def _as_float(a: np.ndarray) -> np.ndarray:
 
 def _norm(flat: np.ndarray) -> float:
     """L2 norm; recomputed in float64 when float32 overflows (a -3.4e38 attention mask does)."""
-    norm = float(np.linalg.norm(flat))
+    with np.errstate(over="ignore"):
+        norm = float(np.linalg.norm(flat))
     if not math.isfinite(norm) and flat.dtype != np.float64:
         norm = float(np.linalg.norm(flat.astype(np.float64)))
     return norm

@@ -121,13 +121,27 @@ def test_cli_json_and_report_screenshot(tiny_llama, golden, tmp_path, capsys):
         shutil.copy(png, os.environ["MS_PROBE_SCREENSHOT"])
 
 
+def dump_ds(path, model_dir, bug):
+    import mindspore as ms
+    from ms_models import from_pretrained
+
+    model = from_pretrained(model_dir)
+    if bug:  # the output of layer 2's shared expert scaled by 1.1
+        shared = model.model.layers[2].mlp.shared_experts.down_proj
+        construct = type(shared).construct
+        shared.construct = types.MethodType(lambda self, x: construct(self, x) * 1.1, shared)
+    grad_fn = ms.value_and_grad(lambda ids: model(ids).mean(), None, model.trainable_params())
+    dbg = PrecisionDebugger(dump_path=str(path))
+    with dbg.dump_step(model):
+        grad_fn(ms.Tensor(IDS))
+
+
 def test_deepseek_v3_mla_and_moe(tmp_path):
     """DeepSeek-V3 (MLA, MoE, MTP): the mapping's skips are exactly what differs; a bug in a shared
     expert of layer 2 is found."""
-    import mindspore as ms
     import torch
     import transformers
-    from ms_models import from_pretrained, make_tiny
+    from ms_models import make_tiny
 
     model_dir = make_tiny("deepseek_v3", tmp_path / "ds", seed=5)
     transformers.logging.set_verbosity_error()
@@ -137,15 +151,7 @@ def test_deepseek_v3_mla_and_moe(tmp_path):
         hf(torch.from_numpy(IDS).long(), use_cache=False).logits.mean().backward()
     mapping = load_mapping("ms-models-hf")
     for bug in (None, "shared"):
-        model = from_pretrained(model_dir)
-        if bug:
-            shared = model.model.layers[2].mlp.shared_experts.down_proj
-            construct = type(shared).construct
-            shared.construct = types.MethodType(lambda self, x: construct(self, x) * 1.1, shared)
-        grad_fn = ms.value_and_grad(lambda ids: model(ids).mean(), None, model.trainable_params())
-        dbg = PrecisionDebugger(dump_path=str(tmp_path / f"ms_{bug}"))
-        with dbg.dump_step(model):
-            grad_fn(ms.Tensor(IDS))
+        dump_ds(tmp_path / f"ms_{bug}", model_dir, bug)
         rc = compare_dirs(str(tmp_path / f"ms_{bug}"), str(tmp_path / "hf"), mapping).ranks[0]
         if bug is None:
             assert rc.first_divergence is None and not rc.problems

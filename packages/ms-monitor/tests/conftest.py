@@ -53,9 +53,11 @@ def daemon(tmp_path, sock_dir):
 class Ranks:
     """Monitors of several ranks stepping in background threads (ranges: forward, allreduce)."""
 
-    def __init__(self, addr, ranks=(0, 1), step_s=0.005, slow=None, **kw):
+    def __init__(self, addr, ranks=(0, 1), step_s=0.005, slow=None, sync=False, **kw):
         self.monitors = [Monitor(rank=r, world_size=len(ranks), addr=addr, **kw) for r in ranks]
         self.step_s, self.slow = step_s, slow or {}
+        # sync: a barrier in the "allreduce" range, so ranks step together as in data parallelism
+        self.barrier = threading.Barrier(len(ranks)) if sync else None
         self._stop = threading.Event()
         self.threads = [threading.Thread(target=self._loop, args=(m,), daemon=True) for m in self.monitors]
         for t in self.threads:
@@ -68,9 +70,16 @@ class Ranks:
                     time.sleep(self.step_s + self.slow.get(mon.rank, 0.0))
                 with mon.range("allreduce", kind="comm"):
                     time.sleep(0.001)
+                    if self.barrier is not None:
+                        try:
+                            self.barrier.wait(timeout=5)
+                        except threading.BrokenBarrierError:
+                            return
 
     def close(self):
         self._stop.set()
+        if self.barrier is not None:
+            self.barrier.abort()
         for t in self.threads:
             t.join(5)
         for m in self.monitors:

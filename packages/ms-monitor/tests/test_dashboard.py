@@ -30,7 +30,7 @@ def chromium(*args, timeout=90):
 
 
 def test_dashboard_shows_every_rank_and_the_slow_one(daemon, tmp_path):
-    ranks = Ranks(daemon.agent_addrs[0], ranks=(0, 1, 2, 3), step_s=0.004, slow={3: 0.02})
+    ranks = Ranks(daemon.agent_addrs[0], ranks=(0, 1, 2, 3), step_s=0.01, slow={3: 0.02}, sync=True)
     try:
         wait_for(
             lambda: any(a["kind"] == "slow_rank" for a in get_json(daemon.http_url + "/api/status")["alerts"]),
@@ -42,7 +42,7 @@ def test_dashboard_shows_every_rank_and_the_slow_one(daemon, tmp_path):
     finally:
         ranks.close()
     assert sorted(map(int, re.findall(r'<tr data-rank="(\d+)"', dom))) == [0, 1, 2, 3]
-    assert sorted(map(int, re.findall(r'<polyline data-rank="(\d+)"', dom))) == [0, 1, 2, 3]
+    assert sorted(map(int, re.findall(r'<path data-rank="(\d+)"', dom))) == [0, 1, 2, 3]
     assert re.search(r'<li data-kind="slow_rank" data-rank="3"', dom)
     assert re.search(r"<div id=\"meta\">4 ranks, \d+ samples received", dom)
     data = shot.read_bytes()

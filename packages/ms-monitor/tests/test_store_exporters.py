@@ -37,10 +37,11 @@ def test_alert_raised_and_resolved_in_one_batch_is_kept_with_both_events():
         s(r, step, dt=0.05 + (0.05 if r == 1 and 5 <= step <= 8 else 0.0)) for step in range(1, 16) for r in (0, 1, 2)
     ]
     events = store.add(batch)
+    # raised on the 3rd slow step (7), resolved on the 5th normal one (13)
     slow = [(e["event"], e["active"], e["step"]) for e in events if e["kind"] == "slow_rank"]
     assert slow == [("raised", True, 7), ("resolved", False, 7)]
     assert [(a["kind"], a["active"], a["resolved_step"]) for a in store.status()["alerts"]] == [
-        ("slow_rank", False, 11)
+        ("slow_rank", False, 13)
     ]
 
 

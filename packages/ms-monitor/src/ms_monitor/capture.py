@@ -38,23 +38,28 @@ def default_trace_root() -> str:
     return os.path.join(tempfile.gettempdir(), f"ms-monitor-traces-{os.getuid()}")
 
 
-def _start_mindspore_profiler(out_dir: str, analyse: bool):
+def _start_mindspore_profiler(out_dir: str, steps: int, analyse: bool):
+    """As MindSpore's own DynamicProfilerMonitor does: a schedule of ``steps`` active steps (which also
+    puts step markers in the trace), started now, saved by the ``step()`` call after the last step."""
     import mindspore as ms
-    from mindspore.profiler import ProfilerActivity, tensorboard_trace_handler
+    from mindspore.profiler import ProfilerActivity, schedule, tensorboard_trace_handler
 
     activities = [ProfilerActivity.CPU]
     if str(ms.get_context("device_target")).lower() == "ascend":
         activities.append(ProfilerActivity.NPU)
     prof = ms.profiler.profile(
         activities=activities,
+        schedule=schedule(wait=0, warmup=0, active=steps, repeat=1, skip_first=0),
         on_trace_ready=tensorboard_trace_handler(out_dir, analyse_flag=analyse, async_mode=True),
+        start_profile=False,
     )
     prof.start()
     return prof
 
 
-def _stop_mindspore_profiler(prof) -> None:
-    """Stop the profiler; its asynchronous analysis must start as a forked process.
+def _finish_mindspore_profiler(prof) -> None:
+    """The last ``step()`` (which saves the trace and starts the analysis) and ``stop()``; the
+    asynchronous analysis must start as a forked process.
 
     MindSpore 2.10 starts the analysis with ``multiprocessing.Process``, i.e. the default context.
     In a process that was itself started with "spawn" (torch/ms-layout launchers do that) the
@@ -63,10 +68,12 @@ def _stop_mindspore_profiler(prof) -> None:
     """
     method = multiprocessing.get_start_method(allow_none=True)
     if method in (None, "fork") or not sys.platform.startswith("linux"):
+        prof.step()
         prof.stop()
         return
     multiprocessing.set_start_method("fork", force=True)
     try:
+        prof.step()
         prof.stop()
     finally:
         multiprocessing.set_start_method(method, force=True)
@@ -123,7 +130,7 @@ class Capture:
         if self.use_profiler and "mindspore" in sys.modules:
             try:
                 os.makedirs(self.dir, exist_ok=True)
-                self._prof = _start_mindspore_profiler(self.dir, self.analyse)
+                self._prof = _start_mindspore_profiler(self.dir, self.steps, self.analyse)
             except Exception as exc:  # a profiler already running, no permission, ...
                 self.error = f"MindSpore profiler did not start: {type(exc).__name__}: {exc}"
                 log.warning("ms-monitor: %s", self.error)
@@ -147,10 +154,15 @@ class Capture:
     def end_step(self, step: int) -> bool:
         """Called after each captured step; True when the capture is over (the upload has started)."""
         if step < self.last:
+            if self._prof is not None:
+                try:
+                    self._prof.step()
+                except Exception as exc:
+                    self.error = f"MindSpore profiler step failed: {type(exc).__name__}: {exc}"
             return False
         if self._prof is not None:
             try:
-                _stop_mindspore_profiler(self._prof)
+                _finish_mindspore_profiler(self._prof)
             except Exception as exc:
                 self.error = f"MindSpore profiler did not stop cleanly: {type(exc).__name__}: {exc}"
         self.last = step

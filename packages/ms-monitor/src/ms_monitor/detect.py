@@ -43,7 +43,7 @@ class DetectorConfig:
     slow_z: float = 4.0
     """... and exceeds that median by this many robust standard deviations of the peers"""
     slow_steps: int = 3
-    """consecutive slow steps that raise a slow-rank alert (and fast steps that resolve it)"""
+    """consecutive slow steps that raise a slow-rank alert"""
     warmup_steps: int = 3
     """first steps of each rank that no detector looks at (graph compilation, cache warm-up)"""
     baseline_steps: int = 20
@@ -189,10 +189,11 @@ class Detector:
         hold: int,
         now: float | None = None,
         sustain: float = 0.0,
+        resolve_hold: int | None = None,
     ) -> list[Alert]:
         """Raise after ``hold`` bad evaluations in a row that also span ``sustain`` seconds of wall
-        time (when ``now`` is known); resolve after ``hold`` good ones. In between (the hysteresis
-        band) both runs restart, so a signal hovering at the threshold stays put."""
+        time (when ``now`` is known); resolve after ``resolve_hold`` (default ``hold``) good ones.
+        In between (the hysteresis band) both runs restart, so a signal at the threshold stays put."""
         runs = st.runs.setdefault(kind, [0, 0])
         runs[0], runs[1] = (runs[0] + 1, 0) if bad else (0, runs[1] + 1) if good else (0, 0)
         if runs[0] == 1:
@@ -201,7 +202,7 @@ class Detector:
         lasted = now is None or began is None or now - began >= sustain
         if runs[0] >= hold and lasted:
             return self._raise(st, make())
-        if runs[1] >= hold:
+        if runs[1] >= (resolve_hold or hold):
             return self._resolve(st, kind, step)
         return []
 
@@ -262,7 +263,16 @@ class Detector:
                 msg = f"rank {rank} busy {x * 1e3:.1f} ms vs peers' median {med * 1e3:.1f} ms ({x / med:.2f}x)"
                 return Alert(rank, "slow_rank", step, x, med, msg)
 
+            # raise fast (a straggler holds up every rank), resolve after hold_steps normal steps
+            resolve = max(cfg.slow_steps, cfg.hold_steps)
             out += self._judge(
-                self._state(rank), "slow_rank", step, rank in slow, rank not in slow, make, cfg.slow_steps
+                self._state(rank),
+                "slow_rank",
+                step,
+                rank in slow,
+                rank not in slow,
+                make,
+                cfg.slow_steps,
+                resolve_hold=resolve,
             )
         return out

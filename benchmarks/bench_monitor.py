@@ -9,7 +9,9 @@ loop would. Three configurations run interleaved in blocks, in one process, so d
 machine hits them alike: no agent; the agent shipping to a live daemon (a separate process, Unix
 socket); the agent with no daemon (samples queue up and are dropped). The rows give the median
 step time of each and its overhead against no agent. A last row times the monitor calls alone
-(empty step and ranges, many iterations): the agent's cost on the training thread per step.
+(empty step and ranges, many iterations): the agent's cost on the training thread per step; the
+live rows also give the CPU time the shipper thread and the daemon process spent per step, which
+noise on a shared machine does not blur.
 """
 
 from __future__ import annotations
@@ -109,7 +111,18 @@ def start_daemon(sock: str) -> subprocess.Popen:
     return proc
 
 
-def measure(kind: str, blocks: int, block_steps: int, sock: str, gone: str) -> dict[str, list[float]]:
+def thread_cpu(thread) -> float:
+    """CPU seconds used so far by a thread of this process (Linux)."""
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) used so far by another process, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(kind: str, blocks: int, block_steps: int, sock: str, gone: str, daemon_pid: int) -> tuple[dict, dict]:
     work = make_work(kind)
     live = Monitor(rank=0, addr=f"unix:{sock}")
     dead = Monitor(rank=1, addr=f"unix:{gone}", queue_size=16)
@@ -117,37 +130,47 @@ def measure(kind: str, blocks: int, block_steps: int, sock: str, gone: str) -> d
         time.sleep(0.05)
     configs = {"no agent": None, "agent, daemon live": live, "agent, no daemon": dead}
     times: dict[str, list[list[float]]] = {name: [] for name in configs}
+    cpu = {"shipper": 0.0, "daemon": 0.0}
     run_block(work, None, 3)  # warm-up
     for b in range(blocks):
         order = list(configs)[b % 3 :] + list(configs)[: b % 3]  # rotate who goes first
         for name in order:
+            ship0, daemon0 = thread_cpu(live.shipper._thread), process_cpu(daemon_pid)
             times[name].append(run_block(work, configs[name], block_steps))
+            if name == "agent, daemon live":  # CPU the agent's thread and the daemon spent on these steps
+                cpu["shipper"] += thread_cpu(live.shipper._thread) - ship0
+                cpu["daemon"] += process_cpu(daemon_pid) - daemon0
     sent, dropped = live.stats()["sent"], dead.stats()["dropped"]
     live.close()
     dead.close()
+    steps = blocks * block_steps
     print(f"{kind}: live agent sent {sent} samples; the agent without a daemon dropped {dropped}")
-    return times
+    return times, {k: v / steps for k, v in cpu.items()}
 
 
-def rows_for(kind: str, times: dict[str, list[list[float]]]) -> list[dict]:
+def rows_for(kind: str, times: dict[str, list[list[float]]], cpu: dict[str, float]) -> list[dict]:
     """Overhead = median over rounds of (block median with the agent / block median without, same round) - 1:
-    pairing blocks of one round cancels the drift of a busy machine."""
+    pairing the blocks of one round cancels the drift of a busy machine; q25..q75 of those ratios
+    show how much the machine's noise moves it."""
     base_blocks = [float(np.median(b)) for b in times["no agent"]]
     rows = []
     for name, blocks in times.items():
         ts = [t for b in blocks for t in b]
-        med = float(np.median(ts))
-        paired = [float(np.median(b)) / base for b, base in zip(blocks, base_blocks)]
-        rows.append(
-            {
-                "step": f"{kind} {STEP_S * 1e3:.0f} ms",
-                "config": name,
-                "steps": len(ts),
-                "median_ms": round(med * 1e3, 3),
-                "mean_ms": round(float(np.mean(ts)) * 1e3, 3),
-                "overhead_pct": None if name == "no agent" else round((float(np.median(paired)) - 1) * 100, 3),
-            }
-        )
+        paired = (np.array([float(np.median(b)) / base for b, base in zip(blocks, base_blocks)]) - 1) * 100
+        row = {
+            "step": f"{kind} {STEP_S * 1e3:.0f} ms",
+            "config": name,
+            "steps": len(ts),
+            "median_ms": round(float(np.median(ts)) * 1e3, 3),
+            "overhead_pct": None if name == "no agent" else round(float(np.median(paired)), 3),
+            "overhead_q25_q75_pct": None
+            if name == "no agent"
+            else f"{np.percentile(paired, 25):.2f}..{np.percentile(paired, 75):.2f}",
+        }
+        if name == "agent, daemon live":
+            row["shipper_cpu_us_per_step"] = round(cpu["shipper"] * 1e6, 1)
+            row["daemon_cpu_us_per_step"] = round(cpu["daemon"] * 1e6, 1)
+        rows.append(row)
     return rows
 
 
@@ -184,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer steps (smoke test)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/monitor.json"))
     args = parser.parse_args(argv)
-    blocks, block_steps = (4, 10) if args.quick else (24, 10)
+    blocks, block_steps = (4, 10) if args.quick else (40, 6)
 
     start = time.perf_counter()
     rows: list[dict] = []
@@ -193,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         daemon = start_daemon(sock)
         try:
             for kind in ("sleep", "numpy"):
-                rows += rows_for(kind, measure(kind, blocks, block_steps, sock, gone))
+                rows += rows_for(kind, *measure(kind, blocks, block_steps, sock, gone, daemon.pid))
             mon = Monitor(rank=2, addr=f"unix:{sock}", queue_size=1 << 20)
             calls_only(mon, 2000)  # warm-up
             per_step = calls_only(mon, 20000 if not args.quick else 5000)

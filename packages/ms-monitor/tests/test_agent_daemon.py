@@ -153,6 +153,8 @@ def test_status_and_series_api(daemon):
     status = get_json(daemon.http_url + "/api/status")
     assert [(r["rank"], r["last_step"] > 0) for r in status["ranks"]] == [(0, True), (1, True), (2, True)]
     series = get_json(daemon.http_url + "/api/series?last=5")
-    assert len(series["steps"]) == 5 and len(series["step_time"]) == 3
+    # the newest 5 steps of every rank (ranks in threads do not step in lockstep)
+    assert 5 <= len(series["steps"]) <= 15 and len(series["step_time"]) == 3
+    assert all(sum(v is not None for v in row) >= 5 for row in series["step_time"])
     page = urllib.request.urlopen(daemon.http_url + "/").read().decode()
     assert "api/series" in page and "<svg" in page

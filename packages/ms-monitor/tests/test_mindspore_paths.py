@@ -1,5 +1,6 @@
 """The MindSpore side: the Model callback, a capture with MindSpore's profiler, and the IPCMonitor proxy."""
 
+import glob
 import json
 import os
 import subprocess
@@ -107,6 +108,7 @@ def test_unmodified_script_is_traced_through_mindspores_hook(daemon, tmp_path):
     script.write_text(UNMODIFIED)
     env = dict(os.environ, MSMONITOR_USE_DAEMON="1", MS_MONITOR_ADDR=daemon.agent_addrs[0], RANK_ID="0")
     here = os.path.dirname(__file__)
+    shm_before = set(glob.glob("/dev/shm/DynamicProfileShm*"))
     log = open(tmp_path / "train.log", "w")
     proc = subprocess.Popen(
         [sys.executable, str(script), "150", here, str(tmp_path / "dyn")],
@@ -129,6 +131,10 @@ def test_unmodified_script_is_traced_through_mindspores_hook(daemon, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait()
+            # a killed job leaves MindSpore's segment behind, and the next job of the hour would attach to it
+            for path in set(glob.glob("/dev/shm/DynamicProfileShm*")) - shm_before:
+                os.unlink(path)
         log.close()
     assert job["state"] == "done", job
     assert job["sources"]["0"] == ["cpu_op_execute_timestamp_0.txt"]

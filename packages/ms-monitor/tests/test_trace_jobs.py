@@ -117,3 +117,20 @@ def test_cli_status_and_trace(daemon, tmp_path, capsys):
     assert check_chrome_trace(json.load(open(out))).keys() == {0, 1}
     assert main(["trace", "--url", daemon.http_url, "--ranks", "9", "--steps", "2"]) == 2
     assert "no connected rank" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "body", [{"steps": "3"}, {"steps": 0}, {"steps": 2, "timeout": "x"}, {"steps": 2, "ranks": "0-3"}, [1, 2]]
+)
+def test_bad_trace_requests_are_400_and_change_nothing(daemon, body):
+    import urllib.error
+
+    ranks = Ranks(daemon.agent_addrs[0], ranks=(0,))
+    try:
+        wait_for(lambda: daemon.store.ranks.get(0) and daemon.store.ranks[0].last_step > 1)
+        with pytest.raises(urllib.error.HTTPError) as err:
+            get_json(daemon.http_url + "/api/trace", body)
+        assert err.value.code == 400
+        assert daemon.traces.jobs == {} and ranks.monitors[0]._pending is None
+    finally:
+        ranks.close()

@@ -18,12 +18,14 @@ detector compares across ranks.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
 import time
 from typing import Any, Callable
 
+from . import wire
 from .capture import Capture
 from .errors import MonitorError
 from .shipper import Shipper
@@ -118,7 +120,7 @@ class Monitor:
         tokens_per_step: int | None = None,
         samples_per_step: int | None = None,
         queue_size: int = 4096,
-        flush_interval: float = 0.05,
+        flush_interval: float = 0.1,
         device_memory: Callable[[], int | None] | None = None,
         trace_root: str | None = None,
         enabled: bool = True,
@@ -140,6 +142,8 @@ class Monitor:
         self._comm = 0.0
         self._capture: Capture | None = None
         self._pending: dict | None = None
+        self._mem: dict = {}
+        self._mem_at = -1e9
         self.captures: list[Capture] = []
         self.shipper: Shipper | None = None
         if enabled:
@@ -160,6 +164,8 @@ class Monitor:
                 pack=self._pack,
                 extra=self._extra,
             )
+            # ship the last steps when the script ends without close() (the thread is a daemon thread)
+            atexit.register(self.close, 1.0)
 
     # -- public API ----------------------------------------------------------------------------
     def step(self, tokens: int | None = None, samples: int | None = None) -> _Step:
@@ -232,17 +238,25 @@ class Monitor:
 
     # -- shipper thread side ---------------------------------------------------------------------
     def _pack(self, item: tuple) -> dict:
+        """A wire sample that passes the daemon's schema by construction (the shipper sends it
+        without validating it again): user-given values are checked here, off the training thread."""
         step, ts, dt, comm, phases, tokens, samples = item
+        step = min(max(step, -1), wire.MAX_STEP)
         out: dict[str, Any] = {"r": self.rank, "s": step, "ts": ts, "dt": dt, "ct": comm}
         if phases:
-            out["ph"] = phases
-        if tokens is not None:
-            out["tok"] = tokens
-        if samples is not None:
-            out["smp"] = samples
+            out["ph"] = {
+                str(k)[: wire.MAX_NAME]: v for k, v in list(phases.items())[: wire.MAX_PHASES] if 0.0 <= v <= 1e7
+            }
+        for key, value in (("tok", tokens), ("smp", samples)):
+            if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= wire.MAX_STEP:
+                out[key] = value
         return out
 
     def _extra(self) -> dict:
+        """Memory readings, at most once a second (reading /proc costs tens of microseconds)."""
+        now = time.monotonic()
+        if now - self._mem_at < 1.0:
+            return self._mem
         out = {}
         hm = host_memory()
         if hm is not None:
@@ -251,8 +265,9 @@ class Monitor:
             dm = self._device_memory()
         except Exception:
             dm = None
-        if dm is not None:
-            out["dm"] = int(dm)
+        if isinstance(dm, int) and dm >= 0:
+            out["dm"] = dm
+        self._mem, self._mem_at = out, now
         return out
 
     def _send_control(self, msg: dict) -> None:

@@ -343,12 +343,13 @@ class Daemon:
         dynos = [c for c in self.conns if c.role == "dyno" and c.poll] if ranks is None or set(ranks) - served else []
         if not agents and not relays and not dynos:
             raise MonitorError(f"no connected rank matches ranks={ranks}")
+        timeout = req.get("timeout") or self.config.trace_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
+            raise MonitorError(f"timeout={timeout!r} must be a number of seconds in (0, 86400]")
         start = req.get("start_step")
         if start is None:
             start = self._choose_start(served, [c.rank for c in dynos])
-        job = self.traces.new_job(
-            start, steps, ranks, req.get("timeout") or self.config.trace_timeout, job_id=job_id, upstream=upstream
-        )
+        job = self.traces.new_job(start, steps, ranks, float(timeout), job_id=job_id, upstream=upstream)
         analyse = req.get("analyse")  # default: agents analyse (asynchronously), dyno does not (it would block)
         cmd = {
             "t": "trace",

@@ -19,6 +19,7 @@ from .errors import ReshardError
 from .fusion import DEFAULT_FUSIONS, load_rules, part_names
 from .layout_text import format_layout, parse_layout
 from .model_plan import itemsize_of, model_plan
+from .plan import naive_gather_bytes
 from .planner import plan
 
 CONFIG_KEYS = ("dp", "tp", "cp", "pp", "ep", "vpp")
@@ -63,28 +64,13 @@ def plan_report(p, ops: bool) -> dict:
         "rounds": p.rounds,
         "bytes_moved": p.bytes_moved(),
         "lower_bound": p.lower_bound_total(),
-        "naive_gather_bytes": naive_bytes(p),
+        "naive_gather_bytes": naive_gather_bytes(p),
         "ranks": p.per_rank(),
         "notes": list(p.notes),
     }
     if ops:
         report["ops"] = {str(r): [str(o) for o in ops_] for r, ops_ in p.ops_by_rank().items()}
     return report
-
-
-def naive_bytes(p) -> int:
-    """Bytes received by the gather-everything-then-slice plan: every target rank receives the
-    whole tensor except the one source shard it may hold itself."""
-    full = p.nbytes
-    src_shard = full // max(1, _prod(p.src.splits))
-    return sum(full - (src_shard if r in set(p.src.ranks) else 0) for r in p.dst.ranks)
-
-
-def _prod(xs) -> int:
-    out = 1
-    for x in xs:
-        out *= x
-    return out
 
 
 def _print_plan(p, report: dict, max_ranks: int, ops: bool) -> None:

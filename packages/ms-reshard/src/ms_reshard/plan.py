@@ -13,6 +13,7 @@ A box is ``[ndim, 2]`` ints: the half-open ``[start, stop)`` range of every dim 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -176,6 +177,17 @@ class TensorPlan:
         """The same plan for layouts whose ranks are an order-preserving relabeling of these."""
         return dataclasses.replace(self, src=src, dst=dst, ranks=ranks)
 
+    def traffic_matrix(self) -> np.ndarray:
+        """[n, n] bytes sent from ranks[i] to ranks[j], collectives included (a picture of the plan)."""
+        n = len(self.ranks)
+        out = np.zeros((n, n), dtype=np.int64)
+        np.add.at(out, (self.xfer_src, self.xfer_dst), box_elems(self.xfer_box))
+        for col in self.collectives:
+            for i in col.members:
+                for j in col.members:
+                    out[i, j] += col.elems if i != j else 0
+        return out * self.itemsize
+
     def per_rank(self) -> list[dict]:
         """Per global rank: bytes sent, received and the lower bound."""
         return [
@@ -260,6 +272,14 @@ class TensorPlan:
     # ---------------------------------------------------------------- text
     def __str__(self) -> str:
         return format_plan(self)
+
+
+def naive_gather_bytes(plan: TensorPlan) -> int:
+    """Bytes received by the gather-everything-then-slice plan: every target rank receives the whole
+    tensor except the source shard it may hold itself."""
+    src_ranks = set(plan.src.ranks)
+    shard = plan.nbytes // math.prod(plan.src.splits)
+    return sum(plan.nbytes - (shard if r in src_ranks else 0) for r in plan.dst.ranks)
 
 
 def format_plan(plan: TensorPlan, max_ranks: int = 16, ops: bool = True) -> str:

@@ -1,0 +1,277 @@
+"""Run one rank's part of a schedule: MindSpore computes, ``ms_layout.comm`` moves tensors.
+
+The rank walks its lowered action list in order (``ms_pipeline.lower``). Sends are ``isend``s
+that complete in the background; a receive is posted as an ``irecv`` ahead of time -- as soon as
+the rank reaches the computation before the one that needs it -- so a transfer overlaps the
+computation running meanwhile, and the RECV action only waits for what has not arrived yet.
+Every message has its own tag (direction, sending stage, microbatch), so no ordering between two
+ranks is assumed beyond what the schedule's dependencies give; the validator has already proved
+that those cannot deadlock.
+
+Gradients accumulate over the microbatches (the last stage seeds each backward with 1/m, so they
+are the gradient of the mean loss), and :meth:`PipelineRuntime.optimizer_step` applies them with
+a MindSpore ``nn`` optimizer (``nn.SGD``/``nn.Adam``; ``mint.optim`` silently does not update on
+CPU, see shared/reference/mindspore_cpu.md section 8).
+
+Every computation and every wait for a receive is recorded (wall-clock start and end), so a real
+step can be drawn, exported as a Chrome trace and measured like a simulated one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import mindspore as ms
+import numpy as np
+
+from ..errors import ScheduleError
+from ..ir import Action, Kind, Schedule
+from ..simulate import Event
+from ..validate import validate
+from .stage import Stage
+
+ShapeFn = Callable[[int], Sequence[int]]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one pipelined training step produced on this rank."""
+
+    loss: float
+    """Mean loss over the microbatches (the same on every rank)."""
+    events: tuple[Event, ...]
+    """This rank's computations and receive waits, wall-clock seconds."""
+
+
+class PipelineRuntime:
+    """Executes ``schedule`` on this rank of ``group`` for the stages this rank holds.
+
+    ``blocks[s]`` are the MindSpore Cells of stage s (only this rank's stages are needed).
+    ``activation_shape`` is the shape of the tensor crossing from stage s to s+1 (the same shape
+    flows back as its gradient), or a function of s; ``dtype`` its numpy dtype.
+    ``overlap_fn(runtime, forward, backward)`` runs an OVERLAP_F_B pair; by default its halves
+    run one after the other (a model with communication inside can overlap them, as DualPipe's
+    ``overlapped_forward_backward``). ``jit`` compiles each block's forward and gradients with
+    ``mindspore.jit`` (seconds per block once, then several times faster than PyNative)."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        blocks: Mapping[int, Sequence[ms.nn.Cell]],
+        group: Any,
+        *,
+        activation_shape: Sequence[int] | ShapeFn,
+        dtype: Any = np.float32,
+        optimizer: ms.nn.Optimizer | None = None,
+        overlap_fn: Callable[[PipelineRuntime, Action, Action], None] | None = None,
+        jit: bool = False,
+    ):
+        if group.size != schedule.num_ranks:
+            raise ScheduleError(
+                f"schedule {schedule.name} needs {schedule.num_ranks} ranks, the group has {group.size}"
+            )
+        self.schedule = schedule
+        self.actions = validate(schedule).actions[group.rank]  # lowered: with sends and receives
+        self.group = group
+        self.rank = group.rank
+        mine = schedule.stages_of(self.rank)
+        if sorted(blocks) != sorted(mine):
+            raise ScheduleError(
+                f"rank {self.rank} holds stages {list(mine)}, but blocks were given for {sorted(blocks)}"
+            )
+        last = schedule.num_stages - 1
+        self.stages = {s: Stage(s, blocks[s], first=s == 0, last=s == last, jit=jit) for s in mine}
+        self._shape = activation_shape if callable(activation_shape) else (lambda s: tuple(activation_shape))
+        self.dtype = np.dtype(dtype)
+        self.optimizer = optimizer
+        self.overlap_fn = overlap_fn
+        self._computes = [i for i, a in enumerate(self.actions) if a.is_compute]
+
+    # ------------------------------------------------------------ messages
+    def _tag(self, direction: Kind, sender: int, mb: int) -> int:
+        return (sender * self.schedule.num_microbatches + mb) * 2 + (0 if direction is Kind.F else 1)
+
+    def _source(self, action: Action) -> tuple[Kind, int]:
+        """(direction, sending stage) of the message a RECV waits for."""
+        if action.kind is Kind.RECV_F:
+            return Kind.F, action.stage - 1
+        return Kind.B, action.stage + 1
+
+    def _post(self, action: Action) -> None:
+        direction, sender = self._source(action)
+        shape = self._shape(sender if direction is Kind.F else action.stage)
+        buf = np.empty(tuple(shape), dtype=self.dtype)
+        src = self.schedule.stage_to_rank[sender]
+        work = self.group.irecv(buf, src, tag=self._tag(direction, sender, action.microbatch))
+        self._posted[action] = (buf, work)
+
+    def _prefetch(self, i: int) -> None:
+        """Post the irecvs of every RECV up to the computation after the next one."""
+        k = bisect.bisect_left(self._computes, i)
+        limit = self._computes[k + 1] if k + 1 < len(self._computes) else len(self.actions) - 1
+        while self._next_post <= limit:
+            action = self.actions[self._next_post]
+            if action.kind in (Kind.RECV_F, Kind.RECV_B) and action not in self._posted:
+                self._post(action)
+            self._next_post += 1
+
+    def _send(self, direction: Kind, stage: int, mb: int, tensor: Any) -> None:
+        array = np.ascontiguousarray(tensor.asnumpy(), dtype=self.dtype)
+        expected = tuple(self._shape(stage if direction is Kind.F else stage - 1))
+        if array.shape != expected:
+            raise ScheduleError(
+                f"stage {stage} microbatch {mb}: the {'activation' if direction is Kind.F else 'gradient'} has shape"
+                f" {array.shape}, but activation_shape says {expected}"
+            )
+        dst = self.schedule.stage_to_rank[stage + 1 if direction is Kind.F else stage - 1]
+        work = self.group.isend(array, dst, tag=self._tag(direction, stage, mb))
+        self._sends.append((work, array))  # the buffer must outlive the transfer
+
+    def _recv(self, action: Action) -> None:
+        if action not in self._posted:
+            self._post(action)
+        buf, work = self._posted.pop(action)
+        start = time.time()
+        work.wait()
+        self._events.append(Event(self.rank, action, start, time.time()))
+        direction, _ = self._source(action)
+        self._inbox[direction, action.stage, action.microbatch] = ms.Tensor.from_numpy(buf)
+
+    # ------------------------------------------------------------ computations
+    def _input(self, s: int, mb: int) -> Any:
+        if s == 0:
+            return self._inputs[mb]
+        if self.schedule.stage_to_rank[s - 1] == self.rank:
+            return self._outbox.pop((Kind.F, s - 1, mb))  # the turn of a V: handed over in memory
+        return self._inbox.pop((Kind.F, s, mb))
+
+    def _grad_output(self, s: int, mb: int) -> Any:
+        if s == self.schedule.num_stages - 1:
+            return ms.Tensor(1.0 / self.schedule.num_microbatches, ms.float32)
+        if self.schedule.stage_to_rank[s + 1] == self.rank:
+            return self._outbox.pop((Kind.B, s + 1, mb))
+        return self._inbox.pop((Kind.B, s, mb))
+
+    def run_compute(self, part: Action) -> None:
+        """Run one F, B, W or BW (public so that an ``overlap_fn`` can run the halves of a pair)."""
+        s, mb, stage = part.stage, part.microbatch, self.stages[part.stage]
+        if part.kind is Kind.F:
+            labels = self._labels[mb] if stage.last else None
+            out = stage.forward(mb, self._input(s, mb), labels)
+            out.asnumpy()  # synchronise, so the recorded end time is the real one
+            if stage.last:
+                self._losses[mb] = float(out.asnumpy())
+            else:
+                self._outbox[Kind.F, s, mb] = out
+        elif part.kind in (Kind.B, Kind.BW):
+            run = stage.backward_input if part.kind is Kind.B else stage.backward_full
+            dx = run(mb, self._grad_output(s, mb))
+            if dx is not None:
+                dx.asnumpy()
+            if s > 0:
+                self._outbox[Kind.B, s, mb] = dx
+        elif part.kind is Kind.W:
+            stage.backward_weight(mb)
+
+    def _run(self, action: Action) -> None:
+        kind = action.kind
+        if kind in (Kind.SEND_F, Kind.SEND_B):
+            direction = Kind.F if kind is Kind.SEND_F else Kind.B
+            self._send(
+                direction,
+                action.stage,
+                action.microbatch,
+                self._outbox.pop((direction, action.stage, action.microbatch)),
+            )
+            return
+        if kind in (Kind.RECV_F, Kind.RECV_B):
+            self._recv(action)
+            return
+        start = time.time()
+        if kind is Kind.OVERLAP_F_B and self.overlap_fn is not None:
+            self.overlap_fn(self, *action.parts)
+        else:
+            for part in action.computes():
+                self.run_compute(part)
+        self._events.append(Event(self.rank, action, start, time.time()))
+
+    # ------------------------------------------------------------ the step
+    def step(self, inputs: Sequence[Any], labels: Sequence[Any]) -> StepResult:
+        """Run every action of this rank for one batch of ``num_microbatches`` microbatches.
+        ``inputs[m]`` feed stage 0 and ``labels[m]`` the loss of the last stage; ranks that
+        hold neither may pass anything of the right length. Gradients accumulate in each
+        stage's ``grads`` until :meth:`optimizer_step` (or :meth:`zero_grads`)."""
+        m = self.schedule.num_microbatches
+        if len(inputs) != m or len(labels) != m:
+            raise ScheduleError(
+                f"step needs {m} microbatches of inputs and labels, got {len(inputs)} and {len(labels)}"
+            )
+        self._inputs, self._labels = list(inputs), list(labels)
+        self._posted: dict[Action, tuple[np.ndarray, Any]] = {}
+        self._inbox: dict[tuple, Any] = {}
+        self._outbox: dict[tuple, Any] = {}
+        self._sends: list[tuple[Any, np.ndarray]] = []
+        self._losses: dict[int, float] = {}
+        self._events: list[Event] = []
+        self._next_post = 0
+        self.group.barrier()  # a common start, so the ranks' clocks line up in the trace
+        for i, action in enumerate(self.actions):
+            self._prefetch(i)
+            try:
+                self._run(action)
+            except ScheduleError:
+                raise
+            except Exception as exc:
+                raise RuntimeError(f"rank {self.rank} failed in {action}: {exc}") from exc
+        for work, _ in self._sends:
+            work.wait()
+        if self._posted or self._inbox or self._outbox:
+            raise ScheduleError(
+                f"rank {self.rank}: tensors left unused after the step: {[*self._posted, *self._inbox, *self._outbox]}"
+            )
+        total = np.array([sum(self._losses.values()) / m], dtype=np.float64)
+        self.group.all_reduce(total)  # only the rank of the last stage adds a non-zero
+        return StepResult(float(total[0]), tuple(self._events))
+
+    # ------------------------------------------------------------ gradients
+    @property
+    def params(self) -> list[ms.Parameter]:
+        """This rank's trainable parameters (each once, even if shared by two stages)."""
+        seen: dict[int, ms.Parameter] = {}
+        for stage in self.stages.values():
+            seen.update(stage.params)
+        return list(seen.values())
+
+    def grads(self) -> dict[str, np.ndarray]:
+        """Accumulated gradient of each of this rank's parameters, by parameter name."""
+        total: dict[int, np.ndarray] = {}
+        for stage in self.stages.values():
+            for pid, g in stage.grads.items():
+                total[pid] = g if pid not in total else total[pid] + g
+        out = {}
+        for p in self.params:
+            g = total.get(id(p))
+            out[p.name] = np.zeros(p.shape, dtype=np.float32) if g is None else g
+        return out
+
+    def zero_grads(self) -> None:
+        for stage in self.stages.values():
+            stage.zero_grads()
+
+    def optimizer_step(self) -> None:
+        """Apply the accumulated gradients with the optimizer, then zero them."""
+        if self.optimizer is None:
+            raise ScheduleError("no optimizer was given to the PipelineRuntime")
+        grads = self.grads()
+        by_name = {p.name: p for p in self.params}
+        ordered = []
+        for p in self.optimizer.parameters:
+            if p.name not in by_name:
+                raise ScheduleError(f"the optimizer updates {p.name}, which no stage of rank {self.rank} holds")
+            ordered.append(ms.Tensor(grads[p.name]))
+        self.optimizer(tuple(ordered))
+        self.zero_grads()

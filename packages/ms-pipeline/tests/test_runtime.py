@@ -1,0 +1,132 @@
+"""Real runs on local CPU ranks (gloo): gradients and losses equal single-process training.
+
+Few and small on purpose (the test machine has 2 cores): each run spawns its ranks once and
+checks several things. The reference is the same model trained in this process with MindSpore's
+own autograd over the mean loss of all microbatches.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+ms = pytest.importorskip("mindspore")
+pytest.importorskip("torch")
+import ms_pipeline as mp  # noqa: E402
+from mindspore import nn  # noqa: E402
+from ms_pipeline.runtime import ToyModel, reference_step, split_blocks, toy_batch  # noqa: E402
+
+pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch]
+
+VOCAB, D, SEQ, MB = 32, 16, 8, 2
+TOL = 1e-5
+
+
+def _setup():
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    ms.set_device("CPU")
+
+
+def _optimizer(name, params):
+    return nn.SGD(params, learning_rate=0.5) if name == "sgd" else nn.Adam(params, learning_rate=0.01)
+
+
+def _train_two_steps(group, name, p, m, counts, layers, opt_name, options, steps=2):
+    """One rank: step, optimizer update, step again (``steps=1``: the first step only)."""
+    _setup()
+    schedule = mp.build(name, p, m, **options)
+    model = ToyModel(vocab=VOCAB, d=D, layers=layers, heads=2, seed=0)
+    blocks = split_blocks(list(model.blocks), mp.LayerPlacement.from_counts(counts))
+    mine = {s: blocks[s] for s in schedule.stages_of(group.rank)}
+    params = list({id(p): p for s in mine for b in mine[s] for p in b.trainable_params()}.values())
+    runtime = mp.runtime.PipelineRuntime(
+        schedule, mine, group, activation_shape=(MB, SEQ, D), optimizer=_optimizer(opt_name, params)
+    )
+    inputs, labels = toy_batch(m, MB, SEQ, VOCAB)
+    first = runtime.step(inputs, labels)
+    grads = runtime.grads()
+    if steps == 1:
+        return first.loss, grads, None, None, first.events
+    runtime.optimizer_step()
+    second = runtime.step(inputs, labels)
+    weights = {p.name: p.asnumpy() for p in runtime.params}
+    return first.loss, grads, second.loss, weights, first.events
+
+
+def _reference(m, layers, opt_name):
+    _setup()
+    model = ToyModel(vocab=VOCAB, d=D, layers=layers, heads=2, seed=0)
+    inputs, labels = toy_batch(m, MB, SEQ, VOCAB)
+    loss, grads = reference_step(model, inputs, labels)
+    params = model.trainable_params()
+    _optimizer(opt_name, params)(tuple(ms.Tensor(grads[p.name]) for p in params))
+    loss_after, _ = reference_step(model, inputs, labels)
+    return loss, grads, loss_after, {p.name: p.asnumpy() for p in params}
+
+
+def _compare(results, reference):
+    loss, grads, loss_after, weights = reference
+    seen = set()
+    for rank_loss, rank_grads, rank_loss_after, rank_weights, _ in results:
+        assert rank_loss == pytest.approx(loss, abs=TOL)
+        assert rank_loss_after == pytest.approx(loss_after, abs=TOL)
+        for name, g in rank_grads.items():
+            np.testing.assert_allclose(g, grads[name], atol=TOL, rtol=0, err_msg=name)
+            np.testing.assert_allclose(rank_weights[name], weights[name], atol=TOL, rtol=0, err_msg=name)
+            seen.add(name)
+    assert seen == set(grads)  # every parameter lives on some rank
+
+
+def _many(group, runs):
+    """Several schedules in one spawn of the ranks (spawning MindSpore processes is the slow part)."""
+    return [_train_two_steps(group, *run) for run in runs]
+
+
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.parametrize(
+    "p,runs",
+    [
+        # (schedule, ranks, microbatches, blocks per stage, decoder layers, optimizer, options)
+        (2, [("1f1b", 2, 4, [3, 5], 3, "sgd", {}), ("zbv", 2, 4, [1, 3, 2, 2], 3, "adam", {})]),
+        (4, [("1f1b", 4, 4, [2, 2, 2, 2], 3, "adam", {}), ("zbv", 4, 5, [1] * 8, 3, "sgd", {})]),
+    ],
+    ids=["2ranks-1f1b-zbv-uneven", "4ranks-1f1b-zbv"],
+)
+def test_pipelined_training_matches_single_process(run_ranks, p, runs):
+    results = run_ranks(_many, nprocs=p, timeout=900, args=(runs,), env=ONE_THREAD)
+    for i, (name, _, m, _, layers, opt, _) in enumerate(runs):
+        per_rank = [r[i] for r in results]
+        _compare(per_rank, _reference(m, layers, opt))
+        # the run's own trace: every computation of the schedule ran once, on the right rank
+        events = [e for r in per_rank for e in r[4] if e.action.is_compute]
+        ran = sorted(str(part) for e in events for part in e.action.computes())
+        schedule = mp.build(name, p, m)
+        assert ran == sorted(str(part) for acts in schedule.actions for a in acts for part in a.computes())
+        bubbles = mp.Bubbles.of(events, p)
+        assert 0.0 <= bubbles.bubble_rate < 1.0 and bubbles.makespan > 0
+
+
+def _one_step(group, runs):
+    out = []
+    for name, counts, options in runs:
+        loss, grads, *_ = _train_two_steps(group, name, 2, 4, counts, 3, "sgd", options, steps=1)
+        out.append((name, loss, grads))
+    return out
+
+
+def test_every_schedule_family_matches_single_process(run_ranks):
+    runs = [
+        ("gpipe", [4, 4], {}),
+        ("zbh1", [5, 3], {}),
+        ("interleaved", [2, 2, 2, 2], {}),
+        ("zbv", [2, 2, 2, 2], {"overlap": True}),
+    ]
+    results = run_ranks(_one_step, nprocs=2, timeout=900, args=(runs,), env=ONE_THREAD)
+    loss, grads, _, _ = _reference(4, 3, "sgd")
+    for rank_results in results:
+        for name, rank_loss, rank_grads in rank_results:
+            assert rank_loss == pytest.approx(loss, abs=TOL), name
+            for key, g in rank_grads.items():
+                np.testing.assert_allclose(g, grads[key], atol=TOL, rtol=0, err_msg=f"{name} {key}")

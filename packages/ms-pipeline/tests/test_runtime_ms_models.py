@@ -1,0 +1,124 @@
+"""A tiny ms-models Llama, split into pipeline stages, trains like the unsplit model.
+
+ms-models is a sibling package (HF-named MindSpore decoders); only its public names are used.
+The model is cut into blocks at the natural seams: the token embedding, each decoder layer, and a
+head (final norm, LM head, cross-entropy). Each decoder-layer block derives its RoPE angles and
+causal mask from the hidden state's shape, so the only tensor crossing stages is the hidden state.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+ms = pytest.importorskip("mindspore")
+pytest.importorskip("torch")
+ms_models = pytest.importorskip("ms_models")
+import ms_pipeline as mp  # noqa: E402
+from mindspore import nn, ops  # noqa: E402
+
+pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch]
+
+MB, SEQ, M = 2, 6, 4
+
+
+class EmbedBlock(nn.Cell):
+    def __init__(self, embed):
+        super().__init__()
+        self.embed = embed
+
+    def construct(self, ids):
+        return self.embed(ids)
+
+
+class LayerBlock(nn.Cell):
+    def __init__(self, layer, rotary):
+        super().__init__()
+        self.layer, self.rotary = layer, rotary
+
+    def construct(self, x):
+        b, s = x.shape[0], x.shape[1]
+        positions = ops.broadcast_to(ops.arange(0, s, 1, dtype=ms.int32).expand_dims(0), (b, s))
+        cos, sin = self.rotary(positions)
+        allowed = (ops.tril(ops.ones((s, s), ms.float32)) > 0.5).expand_dims(0).expand_dims(1)
+        return self.layer(x, cos, sin, allowed)
+
+
+class HeadBlock(nn.Cell):
+    def __init__(self, norm, lm_head):
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+
+    def construct(self, x, labels):
+        logits = self.lm_head(self.norm(x))
+        return ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _llama():
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    ms.set_device("CPU")
+    config = ms_models.tiny_config("llama")
+    return ms_models.from_config(config, seed=0), config
+
+
+def _blocks(model):
+    """embed, layer 0, layer 1, head; wrapping renames parameters, so their HF names are restored."""
+    hf_names = {id(p): p.name for p in model.trainable_params()}
+    inner = model.model
+    blocks = [EmbedBlock(inner.embed_tokens)]
+    blocks += [LayerBlock(layer, inner.rotary_emb) for layer in inner.layers]
+    blocks.append(HeadBlock(inner.norm, model.lm_head))
+    for block in blocks:
+        for p in block.trainable_params():
+            p.name = hf_names[id(p)]
+    return blocks
+
+
+def _data(vocab):
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, vocab, (M, MB, SEQ + 1)).astype(np.int32)
+    return [ms.Tensor(x[:, :-1]) for x in ids], [ms.Tensor(x[:, 1:]) for x in ids]
+
+
+def _rank(group, runs):
+    out = []
+    for name, counts in runs:
+        model, config = _llama()
+        blocks = mp.runtime.split_blocks(_blocks(model), mp.LayerPlacement.from_counts(counts))
+        schedule = mp.build(name, 2, M)
+        mine = {s: blocks[s] for s in schedule.stages_of(group.rank)}
+        runtime = mp.runtime.PipelineRuntime(schedule, mine, group, activation_shape=(MB, SEQ, config.hidden_size))
+        inputs, labels = _data(config.vocab_size)
+        result = runtime.step(inputs, labels)
+        out.append((name, result.loss, runtime.grads()))
+    return out
+
+
+def test_tiny_llama_pipelined_matches_single_process(run_ranks):
+    model, config = _llama()
+    assert not config.tie_word_embeddings and config.num_hidden_layers == 2
+    inputs, labels = _data(config.vocab_size)
+    params = model.trainable_params()
+
+    def mean_loss():
+        total = ms.Tensor(0.0)
+        for ids, y in zip(inputs, labels):
+            logits = model(ids)
+            total = total + ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        return total / M
+
+    loss, grads = ms.value_and_grad(mean_loss, None, params)()
+    reference = {p.name: g.asnumpy() for p, g in zip(params, grads)}
+    assert "model.layers.1.mlp.down_proj.weight" in reference  # HF names
+
+    runs = [("1f1b", [2, 2]), ("zbv", [1, 1, 1, 1])]
+    results = run_ranks(_rank, nprocs=2, timeout=900, args=(runs,), env={"OMP_NUM_THREADS": "1"})
+    for i, (name, _) in enumerate(runs):
+        seen = set()
+        for rank_results in results:
+            run_name, rank_loss, rank_grads = rank_results[i]
+            assert rank_loss == pytest.approx(float(loss.asnumpy()), abs=1e-5), run_name
+            for key, g in rank_grads.items():
+                np.testing.assert_allclose(g, reference[key], atol=1e-5, rtol=0, err_msg=f"{name} {key}")
+                seen.add(key)
+        assert seen == set(reference), name

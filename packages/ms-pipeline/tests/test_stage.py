@@ -1,0 +1,135 @@
+"""The dx/dw split of one stage, in one process, against MindSpore's own full gradient."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+ms = pytest.importorskip("mindspore")
+from mindspore import Parameter, nn, ops  # noqa: E402
+from ms_pipeline import ScheduleError  # noqa: E402
+from ms_pipeline.runtime import Stage  # noqa: E402
+
+pytestmark = pytest.mark.needs_mindspore
+D = 8
+
+
+class Embed(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(11, D)
+
+    def construct(self, ids):
+        return self.table(ids)
+
+
+class Twice(nn.Cell):
+    """x @ w @ w: one weight used twice on one path (the dW-split pitfall of pytorch #180952)."""
+
+    def __init__(self, rng):
+        super().__init__()
+        self.w = Parameter(ms.Tensor(rng.standard_normal((D, D)).astype(np.float32) / 3), name="w")
+
+    def construct(self, x):
+        return ops.tanh(ops.matmul(ops.matmul(x, self.w), self.w))
+
+
+class UseShared(nn.Cell):
+    """A block calling a Dense that another block calls too (a weight shared by two blocks)."""
+
+    def __init__(self, dense):
+        super().__init__()
+        self.dense = dense
+
+    def construct(self, x):
+        return x + ops.tanh(self.dense(x))
+
+
+class Head(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Dense(D, 11)
+
+    def construct(self, x, labels):
+        logits = self.proj(x)
+        return ops.cross_entropy(logits.reshape(-1, 11), labels.reshape(-1))
+
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        rng = np.random.default_rng(0)
+        shared = nn.Dense(D, D)
+        self.blocks = nn.CellList([Embed(), Twice(rng), UseShared(shared), UseShared(shared), Head()])
+
+    def construct(self, ids, labels):
+        x = ids
+        for i in range(4):
+            x = self.blocks[i](x)
+        return self.blocks[4](x, labels)
+
+
+def _data(m):
+    rng = np.random.default_rng(1)
+    ids = [ms.Tensor(rng.integers(0, 11, (2, 5)).astype(np.int32)) for _ in range(m)]
+    labels = [ms.Tensor(rng.integers(0, 11, (2, 5)).astype(np.int32)) for _ in range(m)]
+    return ids, labels
+
+
+def _reference(net, ids, labels):
+    params = net.trainable_params()
+
+    def mean_loss():
+        return sum((net(i, y) for i, y in zip(ids, labels)), ms.Tensor(0.0)) / len(ids)
+
+    _, grads = ms.value_and_grad(mean_loss, None, params)()
+    return {id(p): g.asnumpy() for p, g in zip(params, grads)}
+
+
+@pytest.mark.parametrize("split_stage", [False, True])
+def test_split_backward_equals_full_gradient(split_stage):
+    net = Net()
+    ids, labels = _data(3)
+    ref = _reference(net, ids, labels)
+    blocks = list(net.blocks)
+    if split_stage:  # stage 0 = [embed, twice], stage 1 = [shared, shared, head]; dx crosses between
+        stages = [Stage(0, blocks[:2], first=True, last=False), Stage(1, blocks[2:], first=False, last=True)]
+    else:
+        stages = [Stage(0, blocks, first=True, last=True)]
+    sens = ms.Tensor(1 / 3, ms.float32)
+    outs = {}
+    for mb in range(3):  # F of every microbatch first, as GPipe/ZB warm-ups do
+        x = ids[mb]
+        for st in stages:
+            x = st.forward(mb, x, labels[mb] if st.last else None)
+        outs[mb] = x
+    # microbatch 0: B then W (ZB), microbatch 1: fused BW, microbatch 2: B, later W
+    for mb, fused in ((0, False), (1, True), (2, False)):
+        g = sens
+        for st in reversed(stages):
+            g = st.backward_full(mb, g) if fused else st.backward_input(mb, g)
+        assert g is None  # stage 0's input is token ids: no dx is computed there
+    for st in stages:
+        st.backward_weight(2)
+        st.backward_weight(0)
+    got = {}
+    for st in stages:
+        for pid, g in st.grads.items():
+            got[pid] = got.get(pid, 0) + g
+    assert set(got) == set(ref)
+    for pid, g in ref.items():
+        np.testing.assert_allclose(got[pid], g, rtol=1e-5, atol=1e-6)
+    assert all(st.in_flight == 0 for st in stages)
+
+
+def test_out_of_order_passes_are_named():
+    net = Net()
+    stage = Stage(0, list(net.blocks), first=True, last=True)
+    ids, labels = _data(1)
+    with pytest.raises(ScheduleError, match="stage 0: B of microbatch 0 runs before its F"):
+        stage.backward_input(0, ms.Tensor(1.0))
+    stage.forward(0, ids[0], labels[0])
+    with pytest.raises(ScheduleError, match="W of microbatch 0 runs before its B"):
+        stage.backward_weight(0)
+    with pytest.raises(ScheduleError, match="microbatch 0 ran its forward twice"):
+        stage.forward(0, ids[0], labels[0])

@@ -225,10 +225,21 @@ def online_rank(group, repeats: int):
             run_plan(p, group, s_part, d_part, collectives=False)
         group.barrier()
         times.append(time.perf_counter() - t0)
-    return {
-        "seconds": min(times),
-        "ok": all(np.array_equal(out[n], _expected(n, s, weights, me)) for n, s in out_specs(dst, me)),
-    }
+    ok = all(np.array_equal(out[n], _expected(n, s, weights, me)) for n, s in out_specs(dst, me))
+    # Transport floor: the same bytes per rank in one message around a ring, one batch.
+    from ms_layout.comm import P2POp
+
+    size = mp.per_rank()[me]["received"] // 4
+    send, recv = np.ones(size, np.float32), np.empty(size, np.float32)
+    ring = []
+    for _ in range(repeats):
+        group.barrier()
+        t0 = time.perf_counter()
+        for work in group.batch_isend_irecv([P2POp("send", send, (me + 1) % 4), P2POp("recv", recv, (me - 1) % 4)]):
+            work.wait()
+        group.barrier()
+        ring.append(time.perf_counter() - t0)
+    return {"seconds": min(times), "ring_seconds": min(ring), "ok": ok}
 
 
 def out_specs(dst, me):

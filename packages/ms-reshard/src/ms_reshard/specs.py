@@ -22,7 +22,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 
-from ms_layout import Layout, LayoutError, ParallelConfig, layer_stages, param_placement
+from ms_layout import Layout, LayoutError, ParallelConfig, layer_stages, param_placement, role_of
 
 from .errors import ReshardError
 from .fusion import FusionRule, fuse_shapes
@@ -65,6 +65,19 @@ def _representative(name: str, stages: list[int], num_layers: int, per_owner: in
     return name, stage, owner
 
 
+def _kind(rep: str, ndim: int, num_layers: int) -> tuple:
+    """What a stage-0 representative's layout depends on: inside a decoder layer only the role, the
+    ndim and whether it is a numbered expert (param_placement's rule); elsewhere the name itself."""
+    m = _LAYER.search(rep)
+    if not m or int(m.group(2)) >= num_layers:
+        return (rep, ndim)
+    try:
+        role = role_of(rep)
+    except LayoutError:
+        return (rep, ndim)  # param_placement raises the error with the name
+    return (role, ndim, bool(_EXPERT.search(rep)))
+
+
 def _shifted(layout: Layout, shift: int) -> Layout:
     if not shift:
         return layout
@@ -93,7 +106,7 @@ def param_specs(
     per_owner = num_experts // config.ep if num_experts and num_experts % config.ep == 0 else None
     pp_stride = _strides(config.mesh)["pp"]
     ep_stride = _strides(config.expert_mesh)["ep"]
-    placed: dict[tuple[str, int], Layout] = {}
+    placed: dict[tuple, Layout] = {}
     shifted: dict[tuple[str, int, int, int], Layout] = {}
     stored: dict[tuple[Layout, int], Layout] = {}
     out = {}
@@ -102,13 +115,14 @@ def param_specs(
         key = (rep, len(shape), stage, owner)
         layout = shifted.get(key)
         if layout is None:
-            base = placed.get(key[:2])
+            kind = _kind(rep, len(shape), num_layers)
+            base = placed.get(kind)
             if base is None:
                 try:
                     base = param_placement(config, rep, len(shape), num_layers, num_experts, layers_per_chunk).layout
                 except LayoutError as exc:
                     raise ReshardError(f"parameter {name!r}: {exc}") from None
-                placed[key[:2]] = base
+                placed[kind] = base
             layout = shifted[key] = _shifted(base, stage * pp_stride + owner * ep_stride)
         if sharded and shape:
             skey = (layout, shape[0])

@@ -7,6 +7,9 @@ processes (``ms_pipeline.runtime``, which imports MindSpore). The core needs num
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from .errors import ScheduleError
 from .ir import Action, Kind, Schedule, format_actions, parse_actions
 from .lower import lower, step_simulate
@@ -43,6 +46,7 @@ __all__ = [
     "one_f_one_b",
     "parse_actions",
     "peak_activation",
+    "runtime",
     "save",
     "simulate",
     "stage_to_rank",
@@ -52,3 +56,10 @@ __all__ = [
     "zero_bubble_h1",
     "zero_bubble_v",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # `ms_pipeline.runtime` imports MindSpore: loaded on first use so that the core stays numpy-only.
+    if name == "runtime":
+        return importlib.import_module(".runtime", __name__)
+    raise AttributeError(f"module 'ms_pipeline' has no attribute {name!r}")

@@ -67,6 +67,8 @@ def test_proxy_speaks_mindspores_dyno_format(daemon, monkeypatch):
 
     poller, reporter = PyDynamicMonitorProxy(), PyDynamicMonitorProxy()
     assert poller.init_dyno(3) is True
+    idle = DynamicProfilerUtils.dyno_str_to_dict(poller.poll_dyno())  # first: a config that starts nothing
+    assert DynamicProfilerConfigContext({**idle, "is_valid": True}).start_step == -1
     assert poller.poll_dyno() == ""  # nothing asked yet
     reporter.update_profiler_status(
         {"profiler_status": "0", "current_step": "12", "start_step": "-1", "stop_step": "-1"}
@@ -85,6 +87,27 @@ def test_proxy_speaks_mindspores_dyno_format(daemon, monkeypatch):
     poller.finalize_dyno()
     reporter.finalize_dyno()
 
+
+MODEL_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    import numpy as np
+    import mindspore as ms, mindspore.dataset as ds
+    from mindspore import nn
+    from mindspore.profiler import DynamicProfilerMonitor
+    from mindspore.train import Callback
+    ms.set_device("CPU")
+    class Pace(Callback):
+        def on_train_step_end(self, run_context):
+            time.sleep(0.03)
+    data = np.random.default_rng(0).standard_normal((4 * int(sys.argv[1]), 8)).astype(np.float32)
+    dataset = ds.NumpySlicesDataset({"x": data, "y": data}, shuffle=False).batch(4)
+    net = nn.Dense(8, 8)
+    model = ms.train.Model(net, nn.MSELoss(), nn.Adam(net.trainable_params()))
+    dp = DynamicProfilerMonitor(output_path=sys.argv[2], poll_interval=1)
+    model.train(1, dataset, callbacks=[dp, Pace()], dataset_sink_mode=False)
+    """
+)
 
 UNMODIFIED = textwrap.dedent(
     """
@@ -143,3 +166,38 @@ def test_unmodified_script_is_traced_through_mindspores_hook(daemon, tmp_path):
     dirs = os.listdir(os.path.join(daemon.config.trace_dir, job["id"], "dyno"))
     start = job["start_step"]
     assert dirs == [f"rank0_start{start}_stop{start + 2}"]  # MindSpore's own layout for [start, stop]
+
+
+def test_unmodified_model_train_is_traced_through_mindspores_hook(daemon, tmp_path):
+    # The Model-callback path reports no step to the daemon: the trace names its start step.
+    script = tmp_path / "train_model.py"
+    script.write_text(MODEL_SCRIPT)
+    env = dict(os.environ, MSMONITOR_USE_DAEMON="1", MS_MONITOR_ADDR=daemon.agent_addrs[0], RANK_ID="0")
+    shm_before = set(glob.glob("/dev/shm/DynamicProfileShm*"))
+    log_path = tmp_path / "train.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(script), "300", str(tmp_path / "dyn")],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+        )
+        try:
+            wait_for(
+                lambda: daemon.store.ranks.get(0) and daemon.store.ranks[0].role == "dyno",
+                timeout=90,
+                what="MindSpore's poller",
+            )
+            job = get_json(daemon.http_url + "/api/trace", {"steps": 3, "start_step": 150})
+            job = wait_for(lambda: (j := daemon.trace_status(job["id"]))["state"] != "running" and j, timeout=120)
+            assert proc.wait(timeout=120) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+                for path in set(glob.glob("/dev/shm/DynamicProfileShm*")) - shm_before:
+                    os.unlink(path)
+    assert job["state"] == "done" and job["sources"]["0"] == ["cpu_op_execute_timestamp_0.txt"], job
+    assert os.listdir(os.path.join(daemon.config.trace_dir, job["id"], "dyno")) == ["rank0_start150_stop152"]
+    assert "json is not valid" not in log_path.read_text()  # the idle config keeps MindSpore quiet

@@ -40,6 +40,9 @@ log = logging.getLogger("ms_monitor.dyno")
 
 #: how long poll_dyno waits for a config before returning "" (MindSpore polls again at once)
 POLL_WAIT = 1.0
+#: the first poll's answer: a valid config that starts nothing. Without any config, MindSpore's
+#: Model-callback path logs "Dynamic profiler json is not valid" on every step.
+IDLE_CONFIG = "PROFILE_START_STEP=-1\nACTIVITIES_ITERATIONS=0"
 
 
 def _rank() -> int:
@@ -68,6 +71,7 @@ class PyDynamicMonitorProxy:
         self._poller: Shipper | None = None
         self._status: Shipper | None = None
         self._configs: queue.Queue[str] = queue.Queue()
+        self._configs.put(IDLE_CONFIG)
         self._npu_cfg: dict | None = None
         self.rank: int | None = None
 

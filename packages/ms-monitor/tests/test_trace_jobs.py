@@ -134,3 +134,16 @@ def test_bad_trace_requests_are_400_and_change_nothing(daemon, body):
         assert daemon.traces.jobs == {} and ranks.monitors[0]._pending is None
     finally:
         ranks.close()
+
+
+def test_a_rank_that_disconnects_does_not_hold_up_the_trace(daemon):
+    ranks = Ranks(daemon.agent_addrs[0], ranks=(0, 1))
+    try:
+        wait_for(lambda: len(daemon.store.ranks) == 2 and min(r.last_step for r in daemon.store.ranks.values()) > 2)
+        job = get_json(daemon.http_url + "/api/trace", {"steps": 2, "start_step": 10**6, "profiler": False})
+        ranks.close()  # both agents go away before reaching the start step
+        job = finished(daemon, job["id"])
+    finally:
+        ranks.close()
+    assert job["state"] == "failed" and job["expected"] == []
+    assert job["errors"]["0"] == job["errors"]["1"] == "the rank disconnected before its trace arrived"

@@ -266,9 +266,11 @@ class Daemon:
         finally:
             if conn is not None:
                 self.conns.discard(conn)
-                for rank in conn.ranks:
-                    if not any(rank in c.ranks for c in self.conns):
-                        self.store.connected(rank, {}, up=False)
+                gone = {r for r in conn.ranks if not any(r in c.ranks for c in self.conns)}
+                for rank in gone:
+                    self.store.connected(rank, {}, up=False)
+                if conn.role != "dyno":
+                    self.traces.ranks_lost(gone)
             writer.close()
 
     def _dispatch(self, conn: Conn, msg: dict) -> None:

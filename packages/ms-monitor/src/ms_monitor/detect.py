@@ -1,4 +1,4 @@
-"""Real-time degradation detectors over step times (numpy only).
+"""Real-time degradation detectors over step times (pure Python: the windows are short).
 
 Three detectors, each robust to the odd slow step that every busy machine produces:
 
@@ -21,12 +21,12 @@ signal hovering at a threshold does not flood the alert list.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Callable
-
-import numpy as np
 
 from .errors import MonitorError
 
@@ -100,10 +100,23 @@ class Alert:
         return asdict(self)
 
 
-def robust_stats(values: np.ndarray) -> tuple[float, float]:
+# The windows here are short (tens of values): sorting a Python list is several times faster than
+# numpy's median on arrays this small, and the daemon runs these for every sample it receives.
+def median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    n, mid = len(ordered), len(ordered) // 2
+    return float(ordered[mid]) if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
+
+
+def robust_stats(values: Sequence[float]) -> tuple[float, float]:
     """Median and robust standard deviation (1.4826 x MAD)."""
-    med = float(np.median(values))
-    return med, MAD_TO_SIGMA * float(np.median(np.abs(values - med)))
+    med = median(values)
+    return med, MAD_TO_SIGMA * median([abs(v - med) for v in values])
+
+
+#: from this many ranks on, one rank's own value barely moves the median: compare every rank with
+#: the statistics of all ranks (one sort per step instead of one per rank)
+LEAVE_ONE_OUT_BELOW = 8
 
 
 def slow_ranks(busy: dict[int, float], cfg: DetectorConfig) -> dict[int, float]:
@@ -111,27 +124,27 @@ def slow_ranks(busy: dict[int, float], cfg: DetectorConfig) -> dict[int, float]:
     if len(busy) < 2:
         return {}
     ranks = list(busy)
-    values = np.array([busy[r] for r in ranks], dtype=np.float64)
+    values = [float(busy[r]) for r in ranks]
+    shared = robust_stats(values) if len(values) >= LEAVE_ONE_OUT_BELOW else None
     out = {}
     for i, rank in enumerate(ranks):
-        others = np.delete(values, i)
-        med, sigma = robust_stats(others)
+        med, sigma = shared or robust_stats(values[:i] + values[i + 1 :])
         x = values[i]
-        z_ok = len(others) < 3 or x - med > cfg.slow_z * sigma
+        z_ok = len(values) < 4 or x - med > cfg.slow_z * sigma
         if x > cfg.slow_ratio * med and z_ok:
             out[rank] = med
     return out
 
 
-def step_jitter(values: np.ndarray) -> float:
+def step_jitter(values: Sequence[float]) -> float:
     """Robust step-to-step spread relative to the median (see the module docstring)."""
     if len(values) < 3:
         return 0.0
-    med = float(np.median(values))
+    med = median(values)
     if med <= 0:
         return 0.0
-    sigma = MAD_TO_SIGMA * float(np.median(np.abs(np.diff(values)))) / np.sqrt(2.0)
-    return sigma / med
+    diffs = [abs(b - a) for a, b in zip(values[:-1], values[1:])]
+    return MAD_TO_SIGMA * median(diffs) / math.sqrt(2.0) / med
 
 
 class _RankState:
@@ -216,11 +229,11 @@ class Detector:
         if st.baseline is None:
             st.baseline_buf.append(step_time)
             if len(st.baseline_buf) >= cfg.baseline_steps:
-                st.baseline = float(np.median(st.baseline_buf))
+                st.baseline = median(st.baseline_buf)
             return []
         base = st.baseline
-        recent = np.array(st.recent, dtype=np.float64)
-        med = float(np.median(recent[-cfg.recent_steps :]))
+        recent = list(st.recent)
+        med = median(recent[-cfg.recent_steps :])
 
         def regression() -> Alert:
             msg = f"rank {rank} step time {med * 1e3:.1f} ms is {med / base:.2f}x its baseline"

@@ -188,6 +188,16 @@ class TraceManager:
             self.forward(msg)
         self.check(job)
 
+    def ranks_lost(self, ranks: set[int]) -> None:
+        """Connections of these ranks closed: running jobs stop waiting for their files."""
+        for job in self.jobs.values():
+            lost = (job.expected & ranks) - set(job.done)
+            if job.state == "running" and lost:
+                for rank in lost:
+                    job.errors[str(rank)] = "the rank disconnected before its trace arrived"
+                job.expected -= lost
+                self.check(job)
+
     def check(self, job: TraceJob) -> None:
         """Finish the job when every expected rank is in, or at its deadline."""
         if job.state != "running":

@@ -229,7 +229,7 @@ def online_rank(group, repeats: int):
     # Transport floor: the same bytes per rank in one message around a ring, one batch.
     from ms_layout.comm import P2POp
 
-    size = mp.per_rank()[me]["received"] // 4
+    size = mp.bytes_moved() // 4 // 4  # every rank sends and receives a quarter of the reshard's bytes
     send, recv = np.ones(size, np.float32), np.empty(size, np.float32)
     ring = []
     for _ in range(repeats):

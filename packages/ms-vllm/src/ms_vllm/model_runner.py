@@ -56,6 +56,8 @@ class MindSporeModelRunner:
         self.kv_caches: list | None = None
         self.shared_rng = np.random.default_rng(vllm_config.model_config.seed or 0)
         self.pending_drafts = None
+        self.stats = {"steps": 0, "forwards": 0, "tokens": 0, "drafts": 0, "accepted": 0}
+        """Counters since start: engine steps, model forward calls, tokens emitted, drafts verified/accepted."""
 
     # ------------------------------------------------------------------ KV cache
     def cache_bytes_per_block(self) -> int:
@@ -118,6 +120,7 @@ class MindSporeModelRunner:
             self.block_size,
         )
         ids, pos = Tensor(batch.input_ids), Tensor(batch.positions)
+        self.stats["forwards"] += 1
         if self.lora is not None:
             self.lora.set_batch([self.requests[r].lora_name for r in batch.req_ids], batch.query_start_loc)
         return self.model.model.forward_paged(ids, pos, self.kv_caches, meta)
@@ -150,7 +153,10 @@ class MindSporeModelRunner:
                 st.output_token_ids.append(token)
                 if j >= len(spec) or token != spec[j]:
                     break
+                self.stats["accepted"] += 1
             cursor += len(rows)
+            self.stats["drafts"] += len(spec)
+            self.stats["tokens"] += len(emitted)
             out.append(emitted)
             vocab = logits.shape[-1]
             used.append(np.asarray(kept_rows, np.float32).reshape(len(kept_rows), vocab))
@@ -163,6 +169,7 @@ class MindSporeModelRunner:
         self.update_states(so)
         if not so.total_num_scheduled_tokens:
             return EMPTY_MODEL_RUNNER_OUTPUT
+        self.stats["steps"] += 1
         batch = build_batch(self.requests, so.num_scheduled_tokens, so.scheduled_spec_decode_tokens, self.block_size)
         hidden = self.forward(batch)
         sampled, rows = self.sample(batch, self.logits(hidden, batch.logits_indices))

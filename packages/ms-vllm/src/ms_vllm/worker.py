@@ -140,6 +140,10 @@ class MindSporeWorker(WorkerBase):
         req_ids, tokens = drafts
         return DraftTokenIds(req_ids, tokens)
 
+    def ms_vllm_stats(self) -> dict:
+        """The runner's counters (for tests and benchmarks: `llm.collective_rpc("ms_vllm_stats")`)."""
+        return dict(self.runner.stats)
+
     # ------------------------------------------------------------------ LoRA
     def add_lora(self, lora_request) -> bool:
         return self._lora().add(lora_request)

@@ -1,0 +1,74 @@
+"""Shared fixtures: tiny checkpoints (ms_models.make_tiny), their reference generations, and
+engines built once per module (a vLLM engine takes seconds to start on 2 cores)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# The engine core runs in the test process: one MindSpore runtime, and no fork of a process that
+# already loaded it. `vllm serve` (test_serve.py) covers the multi-process path.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+ARCHS = ("llama", "deepseek_v3")
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """{arch: HF directory} written by ms_models.make_tiny."""
+    from ms_models import make_tiny
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: make_tiny(arch, root / arch, seed=5) for arch in (*ARCHS, "qwen2")}
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_dirs):
+    """reference(arch, prompt, n): ms-models' greedy tokens (a full forward per token, no cache)."""
+    import mindspore as ms
+    from ms_models import from_pretrained, generate_greedy_recompute
+
+    ms.set_device("CPU")
+    models, memo = {}, {}
+
+    def generate(arch: str, prompt: list[int], n: int) -> list[int]:
+        key = (arch, tuple(prompt), n)
+        if key not in memo:
+            if arch not in models:
+                models[arch] = from_pretrained(tiny_dirs[arch])
+            memo[key] = generate_greedy_recompute(models[arch], list(prompt), n)
+        return memo[key]
+
+    return generate
+
+
+def make_llm(path, **kwargs):
+    """A vLLM engine on the tiny model with a small KV cache and block size 4 (so short prompts
+    fill whole blocks and prefix caching has something to share)."""
+    from vllm import LLM
+
+    args = dict(
+        model=str(path),
+        max_model_len=96,
+        block_size=4,
+        max_num_seqs=8,
+        kv_cache_memory_bytes=4 << 20,
+        seed=0,
+        enforce_eager=True,
+    )
+    args.update(kwargs)
+    return LLM(**args)
+
+
+def close_llm(llm) -> None:
+    import gc
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def token_prompts(prompts):
+    return [{"prompt_token_ids": list(p)} for p in prompts]

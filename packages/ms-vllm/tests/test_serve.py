@@ -1,0 +1,120 @@
+"""`vllm serve DIR` with the plugin answers the openai client on 127.0.0.1, streaming included;
+malformed requests get 4xx and the server keeps serving."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch]
+
+PROMPT = [0, 33, 34, 35, 36, 37]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dirs, tmp_path_factory):
+    """A `vllm serve` process on the tiny Llama; killed by pid (and its process group) at the end."""
+    import requests
+
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    cmd = [
+        os.path.join(os.path.dirname(sys.executable), "vllm"),
+        "serve",
+        str(tiny_dirs["llama"]),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--max-model-len",
+        "96",
+        "--block-size",
+        "4",
+        "--kv-cache-memory-bytes",
+        str(4 << 20),
+    ]
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 240
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                if requests.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(f"vllm serve not healthy after 240 s:\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+        yield base
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+def test_openai_client_completions_and_streaming(server, reference):
+    import openai
+
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    done = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=5, temperature=0.0, extra_body={"return_token_ids": True}
+    )
+    expected = reference("llama", PROMPT, 5)
+    assert done.choices[0].token_ids == expected
+    text = client.completions.create(model="tiny", prompt="Paged attention", max_tokens=4, temperature=0.0)
+    assert text.usage.completion_tokens == 4 and isinstance(text.choices[0].text, str)
+    # Streaming: pieces arrive as separate events and add up to the same tokens.
+    stream = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=5,
+        temperature=0.0,
+        stream=True,
+        extra_body={"return_token_ids": True},
+    )
+    pieces = [c.choices[0].token_ids or [] for c in stream if c.choices]
+    assert len(pieces) >= 2
+    assert [t for p in pieces for t in p] == expected
+
+
+def test_malformed_requests_get_4xx_and_server_keeps_serving(server, reference):
+    import requests
+
+    url = server + "/v1/completions"
+    bad = [
+        requests.post(url, data="{not json", headers={"Content-Type": "application/json"}, timeout=30),
+        requests.post(url, json={"model": "tiny", "prompt": PROMPT, "max_tokens": -3}, timeout=30),
+        requests.post(url, json={"model": "tiny", "prompt": list(range(300)), "max_tokens": 2}, timeout=30),
+        requests.post(url, json={"model": "no-such-model", "prompt": PROMPT}, timeout=30),
+        requests.post(url, json={"model": "tiny", "prompt": PROMPT, "temperature": "hot"}, timeout=30),
+    ]
+    assert all(400 <= r.status_code < 500 for r in bad), [(r.status_code, r.text[:200]) for r in bad]
+    ok = requests.post(
+        url, json={"model": "tiny", "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "return_token_ids": True}
+    )
+    assert ok.status_code == 200
+    assert ok.json()["choices"][0]["token_ids"] == reference("llama", PROMPT, 3)

@@ -70,3 +70,21 @@ def test_not_a_model():
     with pytest.raises(ModelError, match="expected a model or a config"):
         model_layouts(object(), ParallelConfig())
     assert issubclass(LayoutError, ValueError)
+
+
+@pytest.mark.needs_mindspore
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_checkpoint_names_cover_the_files(arch, tiny_dirs):
+    from ms_models import load_config, read_safetensors
+
+    tensors = read_safetensors(tiny_dirs[arch])
+    config = load_config(tiny_dirs[arch])
+    parallel = ParallelConfig(tp=2, dp=2, ep=2, pp=config.num_hidden_layers)
+    placements = model_layouts(config, parallel, checkpoint=True)
+    assert set(placements) == set(tensors)
+    for name, placement in placements.items():
+        placement.layout.shard_shape(tensors[name].shape)
+    if arch == "deepseek_v3":
+        expert = placements["model.layers.1.mlp.experts.7.gate_proj.weight"].layout
+        owner = placements["model.layers.1.mlp.experts.0.gate_proj.weight"].layout
+        assert set(expert.ranks).isdisjoint(owner.ranks)  # experts 0 and 7 live on different ep ranks

@@ -33,11 +33,11 @@ _STACKED = re.compile(r"^(.*\.experts)\.(gate_proj|up_proj|down_proj)$")
 _MTP = re.compile(r"^model\.mtp_layers\.(\d+)\.(.*)$")
 
 
-def _hub_names(model, name: str, shape: tuple[int, ...]) -> Iterator[tuple[str, int | None]]:
+def checkpoint_names(num_hidden_layers: int, name: str, shape: tuple[int, ...]) -> Iterator[tuple[str, int | None]]:
     """The on-disk name(s) of one parameter, with the expert index for stacked experts."""
     mtp = _MTP.match(name)
     if mtp:
-        name = f"model.layers.{model.config.num_hidden_layers + int(mtp.group(1))}.{mtp.group(2)}"
+        name = f"model.layers.{num_hidden_layers + int(mtp.group(1))}.{mtp.group(2)}"
     stacked = _STACKED.match(name)
     if stacked and len(shape) == 3:
         for e in range(shape[0]):
@@ -55,7 +55,7 @@ def hf_state_dict(model) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for name, param in _params(model).items():
         value = param.asnumpy()
-        for hub, expert in _hub_names(model, name, value.shape):
+        for hub, expert in checkpoint_names(model.config.num_hidden_layers, name, value.shape):
             out[hub] = np.ascontiguousarray(value if expert is None else value[expert])
     extra = getattr(model, "extra_hub_tensors", None)
     if extra is not None:
@@ -69,7 +69,7 @@ def load_state_dict(model, tensors: dict[str, np.ndarray], strict: bool = True) 
     ignorable = set(getattr(model, "ignored_hub_names", lambda: set())())
     expected: dict[str, tuple[str, int | None]] = {}
     for name, param in params.items():
-        for hub, expert in _hub_names(model, name, tuple(param.shape)):
+        for hub, expert in checkpoint_names(model.config.num_hidden_layers, name, tuple(param.shape)):
             expected[hub] = (name, expert)
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected) - ignorable)

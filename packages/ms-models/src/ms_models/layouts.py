@@ -21,6 +21,7 @@ from ms_layout import ParallelConfig, ParamPlacement, param_placement
 
 from .config import DecoderConfig, DeepseekV3Config
 from .errors import ModelError
+from .io import checkpoint_names
 
 
 def _linear(prefix: str, out: int, inp: int, bias: bool = False) -> dict[str, tuple[int, ...]]:
@@ -122,8 +123,28 @@ def check_divisible(config: DecoderConfig, parallel: ParallelConfig) -> None:
 _MTP = re.compile(r"^model\.mtp_layers\.(\d+)\.")
 
 
-def model_layouts(model_or_config, parallel_config: ParallelConfig, layers_per_chunk=None) -> dict[str, ParamPlacement]:
-    """Parameter name -> ms_layout.ParamPlacement (role, pipeline stage, Layout) for every parameter."""
+def checkpoint_shapes(config: DecoderConfig, shapes: dict[str, tuple[int, ...]] | None = None):
+    """Checkpoint tensor name -> shape (per-expert matrices, MTP layers renumbered, shared copies)."""
+    shapes = param_shapes(config) if shapes is None else shapes
+    out = {}
+    for name, shape in shapes.items():
+        for hub, expert in checkpoint_names(config.num_hidden_layers, name, shape):
+            out[hub] = shape if expert is None else shape[1:]
+    for k in range(getattr(config, "num_nextn_predict_layers", 0)):
+        prefix = f"model.layers.{config.num_hidden_layers + k}"
+        out[f"{prefix}.embed_tokens.weight"] = (config.vocab_size, config.hidden_size)
+        out[f"{prefix}.shared_head.head.weight"] = (config.vocab_size, config.hidden_size)
+    return out
+
+
+def model_layouts(
+    model_or_config, parallel_config: ParallelConfig, layers_per_chunk=None, checkpoint: bool = False
+) -> dict[str, ParamPlacement]:
+    """Parameter name -> ms_layout.ParamPlacement (role, pipeline stage, Layout) for every parameter.
+
+    With `checkpoint=True` the keys are the checkpoint's tensor names instead (one matrix per
+    expert, owned by the ep rank holding it; MTP as model.layers.{L + k}, with its copies of the
+    shared embedding and head), for code that shards or gathers HF-format files."""
     config = getattr(model_or_config, "config", model_or_config)
     if not isinstance(config, DecoderConfig):
         raise ModelError(f"expected a model or a config, got {type(model_or_config).__name__}")
@@ -132,6 +153,8 @@ def model_layouts(model_or_config, parallel_config: ParallelConfig, layers_per_c
         shapes = {name: tuple(p.shape) for name, p in model_or_config.parameters_and_names()}
     else:
         shapes = param_shapes(config)
+    if checkpoint:
+        shapes = checkpoint_shapes(config, shapes)
     experts = getattr(config, "n_routed_experts", None)
     out = {}
     for name, shape in shapes.items():

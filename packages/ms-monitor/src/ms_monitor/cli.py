@@ -102,6 +102,8 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         asyncio.run(main())
     except KeyboardInterrupt:
         pass
+    except OSError as exc:  # a port in use, a socket path not writable
+        raise MonitorError(f"the daemon cannot listen: {exc}") from None
     return 0
 
 

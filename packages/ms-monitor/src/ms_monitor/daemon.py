@@ -338,7 +338,8 @@ class Daemon:
             raise MonitorError(f"ranks={ranks!r} must be a list of integers")
         steps = req.get("steps")
         want = (lambda r: True) if ranks is None else (lambda r: r in ranks)
-        agents = [c for c in self.conns if c.role == "agent" and want(c.rank)]
+        # one agent per rank (the newest connection, if a rank reconnected before its old socket closed)
+        agents = list({c.rank: c for c in self.conns if c.role == "agent" and want(c.rank)}.values())
         relays = {c: sorted(r for r in c.ranks if want(r)) for c in self.conns if c.role == "relay"}
         relays = {c: rs for c, rs in relays.items() if rs}
         served = {c.rank for c in agents} | {r for rs in relays.values() for r in rs}

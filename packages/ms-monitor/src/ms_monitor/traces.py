@@ -82,6 +82,9 @@ class TraceJob:
     dyno_gathered: bool = False
     """whether the dyno files have been read"""
     bytes: int = 0
+    """trace bytes received so far"""
+    next_seq: dict[tuple, int] = field(default_factory=dict)
+    """(rank, file name) -> the chunk number expected next"""
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -173,7 +176,15 @@ class TraceManager:
         if job.bytes > MAX_JOB_BYTES:
             job.errors[str(msg["rank"])] = f"trace data above {MAX_JOB_BYTES} bytes; dropped"
             return
-        job.files.setdefault(msg["rank"], {}).setdefault(msg["name"], bytearray()).extend(msg["data"])
+        files = job.files.setdefault(msg["rank"], {})
+        buf = files.setdefault(msg["name"], bytearray())
+        key = (msg["rank"], msg["name"])
+        if msg["seq"] != job.next_seq.get(key, 0):  # chunks of one file arrive in order on one connection
+            job.errors[str(msg["rank"])] = f"{msg['name']}: chunk {msg['seq']} out of order; file dropped"
+            files.pop(msg["name"], None)
+            return
+        job.next_seq[key] = msg["seq"] + 1
+        buf.extend(msg["data"])
         if job.upstream and self.forward:
             self.forward(msg)
 

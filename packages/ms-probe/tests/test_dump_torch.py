@@ -52,3 +52,26 @@ def test_list_of_models_and_data_mode(tmp_path):
         b(a(torch.randn(2, 4))[:, :4] if False else torch.randn(2, 4))
     data = json.load(open(os.path.join(tmp_path, "step0", "rank0", "dump.json")))["data"]
     assert "Module.1.0.Linear.forward.0" in data and not any(".backward." in k for k in data)
+
+
+def test_one_folder_per_rank_from_the_launcher_environment(tmp_path, monkeypatch):
+    import torch
+
+    from ms_probe import compare_dirs
+
+    for side, bad_rank in (("t", 1), ("g", None)):
+        for rank in (0, 1, 2):
+            monkeypatch.setenv("RANK_ID", str(rank))  # what msrun sets for each worker
+            net = _net()
+            if rank == bad_rank:
+                with torch.no_grad():
+                    net[2].weight.mul_(1.5)  # the bug: a scaled weight on one rank
+            dbg = PrecisionDebugger(dump_path=str(tmp_path / side), rank=[0, 1])
+            with dbg.dump_step(net):
+                net(torch.ones(2, 4)).sum().backward()
+            dbg.close()
+    assert sorted(os.listdir(tmp_path / "t" / "step0")) == ["rank0", "rank1"]  # rank 2 is filtered out
+    run = compare_dirs(str(tmp_path / "t"), str(tmp_path / "g"))
+    assert [r.rank for r in run.ranks] == [0, 1]
+    assert [r.first_divergence for r in run.ranks] == [None, "Module.2.Linear.forward.0"]
+    assert run.summary()["first_divergence_rank"] == 1

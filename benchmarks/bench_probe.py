@@ -1,0 +1,213 @@
+"""ms-probe: dump overhead per training step and compare throughput.
+
+    python benchmarks/bench_probe.py [--quick] [--out benchmarks/results/probe.json]
+
+A small Llama (ms-models on MindSpore PyNative, and Hugging Face transformers on torch with the
+same weights) runs forward + backward; each repetition runs the three modes back to back (no dump,
+statistics, tensor), so machine noise hits them alike, and the rows give medians and the ratio to
+no dump. Then the tensor dumps of both frameworks are compared (MB of .npy read per second, both
+sides counted) and so are the statistics dumps (items per second), report.html included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import numpy as np
+
+MODES = ("none", "statistics", "tensor")
+SMALL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=4, head_dim=32)  # fmt: skip
+
+
+def _version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def _folder_mb(path: Path, pattern: str = "*.npy") -> float:
+    return sum(p.stat().st_size for p in path.rglob(pattern)) / 2**20
+
+
+def _steps(model_dir: str, ids: np.ndarray, work: Path, reps: int) -> tuple[list[dict], dict[str, Path]]:
+    import mindspore as ms
+    import torch
+    import transformers
+    from ms_models import from_pretrained
+
+    from ms_probe import PrecisionDebugger
+
+    transformers.logging.set_verbosity_error()
+    ms_model = from_pretrained(model_dir)
+    grad_fn = ms.value_and_grad(lambda x: ms_model(x).mean(), None, ms_model.trainable_params())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype="float32")
+    ms_ids, pt_ids = ms.Tensor(ids), torch.from_numpy(ids).long()
+
+    def ms_step():
+        _, grads = grad_fn(ms_ids)
+        grads[0].asnumpy()  # PyNative runs asynchronously: wait for the step
+
+    def pt_step():
+        hf.zero_grad(set_to_none=True)
+        hf(pt_ids, use_cache=False).logits.mean().backward()
+
+    runs = {("mindspore", m): [] for m in MODES} | {("pytorch", m): [] for m in MODES}
+    last_dump: dict[str, Path] = {}
+    debuggers = {}
+    for fw, model, step in (("mindspore", ms_model, ms_step), ("pytorch", hf, pt_step)):
+        step()  # warm-up
+        for mode in MODES[1:]:
+            debuggers[(fw, mode)] = PrecisionDebugger(dump_path=str(work / f"{fw}_{mode}"), task=mode)
+        for _ in range(reps):
+            for mode in MODES:
+                start = time.perf_counter()
+                if mode == "none":
+                    step()
+                else:
+                    dbg = debuggers[(fw, mode)]
+                    with dbg.dump_step(model):
+                        step()
+                runs[(fw, mode)].append(time.perf_counter() - start)
+        for mode in MODES[1:]:
+            debuggers[(fw, mode)].close()
+            last_dump[f"{fw}_{mode}"] = work / f"{fw}_{mode}" / f"step{reps - 1}"
+    rows = []
+    for fw in ("mindspore", "pytorch"):
+        base = statistics.median(runs[(fw, "none")])
+        for mode in MODES:
+            med = statistics.median(runs[(fw, mode)])
+            folder = last_dump.get(f"{fw}_{mode}")
+            items = len(json.loads((folder / "rank0" / "dump.json").read_text())["data"]) if folder else 0
+            rows.append(
+                {
+                    "measure": "train step",
+                    "framework": fw,
+                    "mode": mode,
+                    "step_ms": round(med * 1e3, 1),
+                    "vs_no_dump": round(med / base, 2),
+                    "items": items,
+                    "npy_MB": round(_folder_mb(folder), 2) if folder else 0.0,
+                }
+            )
+    return rows, last_dump
+
+
+def _compare_rows(dumps: dict[str, Path], work: Path, reps: int) -> list[dict]:
+    from ms_probe import compare_dirs, load_mapping, write_results
+
+    mapping = load_mapping("ms-models-hf")
+    rows = []
+    for mode in ("tensor", "statistics"):
+        t, g = dumps[f"mindspore_{mode}"], dumps[f"pytorch_{mode}"]
+        times, html_times = [], []
+        for i in range(reps):
+            start = time.perf_counter()
+            run = compare_dirs(str(t), str(g), mapping)
+            times.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            write_results(run, work / f"cmp_{mode}_{i}")
+            html_times.append(time.perf_counter() - start)
+        med = statistics.median(times)
+        rc = run.ranks[0]
+        mb = _folder_mb(t) + _folder_mb(g)
+        rows.append(
+            {
+                "measure": f"compare ({mode})",
+                "aligned_items": rc.summary()["aligned_items"],
+                "rows": len(rc.rows),
+                "npy_MB_read": round(mb, 2),
+                "compare_s": round(med, 3),
+                "MB_per_s": round(mb / med, 1) if mb else None,
+                "items_per_s": round(rc.summary()["aligned_items"] / med, 1),
+                "write_csv_json_html_s": round(statistics.median(html_times), 3),
+                "first_divergence": rc.first_divergence,
+            }
+        )
+    return rows
+
+
+def _print(rows: list[dict], title: str) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(title)
+        for row in rows:
+            print("  ".join(f"{k}={v}" for k, v in row.items()))
+        return
+    for measure in dict.fromkeys(r["measure"].split(" (")[0] for r in rows):
+        part = [r for r in rows if r["measure"].startswith(measure)]
+        table = Table(title=f"{title}: {measure}")
+        columns = list(dict.fromkeys(k for r in part for k in r))
+        for c in columns:
+            table.add_column(c, justify="right")
+        for r in part:
+            table.add_row(*(str(r.get(c, "")) for c in columns))
+        Console().print(table)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny model, 3 repetitions")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/probe.json"))
+    args = ap.parse_args()
+
+    import mindspore as ms
+    from ms_models import make_tiny
+
+    ms.set_device("CPU")
+    reps = 3 if args.quick else 7
+    batch, seq = (2, 16) if args.quick else (4, 64)
+    work = Path(tempfile.mkdtemp(prefix="bench_probe_"))
+    load_before = os.getloadavg()[0]  # other processes on a shared box slow every mode alike
+    start = time.perf_counter()
+    try:
+        overrides = {} if args.quick else SMALL
+        model_dir = make_tiny("llama", work / "model", seed=0, **overrides)
+        ids = np.random.default_rng(0).integers(4, 300, (batch, seq)).astype(np.int32)
+        rows, dumps = _steps(model_dir, ids, work, reps)
+        rows += _compare_rows(dumps, work, max(3, reps // 2))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    config = "tiny llama" if args.quick else "llama hidden 256, 4 layers, MLP 688"
+    title = f"probe: dump overhead per train step and compare throughput ({config}, batch {batch} x seq {seq})"
+    _print(rows, title)
+    result = {
+        "benchmark": "probe",
+        "title": title,
+        "machine": {
+            "nproc": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+            "mindspore": _version("mindspore"),
+            "torch": _version("torch"),
+            "transformers": _version("transformers"),
+            "load_average_1min": [round(load_before, 1), round(os.getloadavg()[0], 1)],
+        },
+        "quick": args.quick,
+        "wall_s": round(time.perf_counter() - start, 1),
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(args.out)
+    print(f"wrote {args.out} ({result['wall_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -46,7 +46,6 @@ def _steps(model_dir: str, ids: np.ndarray, work: Path, reps: int) -> tuple[list
     import torch
     import transformers
     from ms_models import from_pretrained
-
     from ms_probe import PrecisionDebugger
 
     transformers.logging.set_verbosity_error()

@@ -56,7 +56,6 @@ def test_list_of_models_and_data_mode(tmp_path):
 
 def test_one_folder_per_rank_from_the_launcher_environment(tmp_path, monkeypatch):
     import torch
-
     from ms_probe import compare_dirs
 
     for side, bad_rank in (("t", 1), ("g", None)):

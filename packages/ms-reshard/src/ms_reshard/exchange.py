@@ -69,34 +69,83 @@ def run_plan(
     `dtype` is the source dtype, what travels (default: src's, else out's); values are cast to
     out's dtype on arrival. With collectives=False (or when a sub-group is missing) collectives
     run as point-to-point."""
+    run_plans([(plan, src, out, dtype)], group, subgroups, collectives, bucket_bytes=None)
+
+
+DEFAULT_BUCKET = 64 << 20
+
+
+def run_plans(
+    items, group, subgroups=None, collectives: bool = True, bucket_bytes: int | None = DEFAULT_BUCKET
+) -> None:
+    """Run several plans -- (plan, src, out, dtype) each, as for run_plan -- with round r of every
+    plan in a bucket sharing one batch of point-to-point messages: a model's hundreds of small
+    tensors then cost a few batches, not one each. Buckets are cut (identically on every rank, from
+    plan-wide numbers) so that their plans' largest per-rank traffic adds up to `bucket_bytes`."""
     me = _global(group, group.rank)
-    ops = plan.rank_ops(me)
+    jobs = [_job(p, s, o, d, me) for p, s, o, d in items]
+    subgroups = subgroups if subgroups is not None else {}
+    for bucket in _buckets(jobs, bucket_bytes):
+        for rnd in range(max(j["plan"].rounds for j in bucket)):
+            batch: list = []
+            recvs: list = []
+            for job in bucket:
+                _round(job, rnd, me, batch, recvs, subgroups, collectives)
+            _exchange(group, batch)
+            for out, at, box, buf in recvs:
+                unpack(out, box, at, buf)
+
+
+def _job(plan: TensorPlan, src, out, dtype, me: int) -> dict:
     in_src, in_dst = me in plan.src.ranks, me in plan.dst.ranks
     if (src is None) == in_src or (out is None) == in_dst:
         raise ReshardError(f"rank {me}: src given={src is not None}, out given={out is not None}; the plan says "
                            f"{in_src=} {in_dst=}")  # fmt: skip
-    src_at = tuple(s.start for s in plan.src.global_slice(plan.shape, me)) if in_src else ()
-    dst_at = tuple(s.start for s in plan.dst.global_slice(plan.shape, me)) if in_dst else ()
-    subgroups = subgroups if subgroups is not None else {}
-    wire_dtype = np.dtype(dtype) if dtype is not None else (src.dtype if src is not None else out.dtype)
-    for rnd in range(plan.rounds):
-        batch, recvs = [], []
-        for op in (o for o in ops if o.round == rnd):
-            if op.kind is OpKind.COPY:
-                out[local_slices(op.box, dst_at)] = src[local_slices(op.box, src_at)]
-            elif op.kind is OpKind.SEND:
-                batch.append(("send", wire(pack(src, op.box, src_at)), op.peer))
-            elif op.kind is OpKind.RECV:
-                buf = np.empty(_elems(op.box), dtype=wire_dtype)
-                batch.append(("recv", wire(buf), op.peer))
-                recvs.append((op.box, buf))
-            elif collectives and op.group in subgroups:
-                _collective(plan, op.index, me, subgroups[op.group], src, src_at, out, dst_at)
-            else:
-                batch += _as_p2p(plan, op.index, me, src, src_at, recvs, out)
-        _exchange(group, batch)
-        for box, buf in recvs:
-            unpack(out, box, dst_at, buf)
+    return {
+        "plan": plan,
+        "src": src,
+        "out": out,
+        "ops": plan.rank_ops(me),
+        "src_at": tuple(s.start for s in plan.src.global_slice(plan.shape, me)) if in_src else (),
+        "dst_at": tuple(s.start for s in plan.dst.global_slice(plan.shape, me)) if in_dst else (),
+        "dtype": np.dtype(dtype) if dtype is not None else (src.dtype if src is not None else out.dtype),
+    }
+
+
+def _buckets(jobs: list[dict], bucket_bytes: int | None) -> list[list[dict]]:
+    if bucket_bytes is None:
+        return [[j] for j in jobs]
+    out: list[list[dict]] = []
+    used = 0
+    for job in jobs:
+        p = job["plan"]
+        cost = int((p.sent + p.received).max(initial=0)) if p.mem_cap is None else p.mem_cap
+        if not out or used + cost > bucket_bytes:
+            out.append([])
+            used = 0
+        out[-1].append(job)
+        used += cost
+    return out
+
+
+def _round(job: dict, rnd: int, me: int, batch: list, recvs: list, subgroups: dict, collectives: bool) -> None:
+    """One plan's ops of one round: copies and collectives now, messages into the shared batch."""
+    plan, src, out, src_at, dst_at = job["plan"], job["src"], job["out"], job["src_at"], job["dst_at"]
+    before = len(recvs)
+    for op in (o for o in job["ops"] if o.round == rnd):
+        if op.kind is OpKind.COPY:
+            out[local_slices(op.box, dst_at)] = src[local_slices(op.box, src_at)]
+        elif op.kind is OpKind.SEND:
+            batch.append(("send", wire(pack(src, op.box, src_at)), op.peer))
+        elif op.kind is OpKind.RECV:
+            buf = np.empty(_elems(op.box), dtype=job["dtype"])
+            batch.append(("recv", wire(buf), op.peer))
+            recvs.append((op.box, buf))
+        elif collectives and op.group in subgroups:
+            _collective(plan, op.index, me, subgroups[op.group], src, src_at, out, dst_at)
+        else:
+            batch += _as_p2p(plan, op.index, me, src, src_at, recvs, out)
+    recvs[before:] = [(out, dst_at, box, buf) for box, buf in recvs[before:]]
 
 
 def _elems(box) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ReshardError
-from .exchange import make_groups, run_plan
+from .exchange import DEFAULT_BUCKET, make_groups, run_plans
 from .model_plan import ModelPlan
 
 
@@ -61,9 +61,12 @@ def reshard_parameters(
     src: Mapping[str, Any],
     dst: Mapping[str, Any],
     collectives: bool | None = None,
+    bucket_bytes: int | None = DEFAULT_BUCKET,
 ) -> dict[str, np.ndarray]:
     """Run `model_plan` on this rank: read the source shards `src` ({name: Tensor/Parameter/ndarray}),
     write the target Parameters `dst` ({name: Parameter}) in place; returns the new shards as numpy.
+    Moves run in buckets of about `bucket_bytes` of traffic per rank, one message batch per round
+    of a bucket (exchange.run_plans).
 
     `collectives=None` runs the plan's collectives as collectives except on gloo, where they run
     as the point-to-point transfers they stand for (same bytes): torch's gloo ``new_group`` with
@@ -77,6 +80,7 @@ def reshard_parameters(
     check_local(model_plan, rank, src, dst)
     subgroups = make_groups((m.plan for m in model_plan.moves), group) if collectives else {}
     results: dict[str, np.ndarray] = {}
+    items = []
     for move in model_plan.moves:
         p, s_spec, d_spec = move.plan, model_plan.src[move.src_name], model_plan.dst[move.dst_name]
         part_src = part_out = None
@@ -91,7 +95,8 @@ def reshard_parameters(
             n = p.dst.shard_shape(p.shape)[move.dim] if p.shape else 0
             whole = results[move.dst_name]
             part_out = whole[_along(move.dim, move.dst_offset, n)] if p.shape else whole
-        run_plan(p, group, part_src, part_out, subgroups, collectives, np_dtype(s_spec.dtype))
+        items.append((p, part_src, part_out, np_dtype(s_spec.dtype)))
+    run_plans(items, group, subgroups, collectives, bucket_bytes)
     for name, value in results.items():
         param = dst[name]
         if tuple(param.shape) == value.shape and _numpy(param).dtype == value.dtype:

@@ -78,3 +78,30 @@ def test_mtp_weight_names_follow_deepseek_checkpoint(tiny_dirs):
     assert "model.layers.3.mlp.experts.0.gate_proj.weight" in names  # the MTP block is a MoE layer
     assert "model.layers.3.self_attn.kv_b_proj.weight" in names
     assert np.array_equal(names["model.layers.3.embed_tokens.weight"], names["model.embed_tokens.weight"])
+
+
+def test_mtp_paged_equals_training_path(tiny_models):
+    """A drafter's view: main-model hidden states from the paged path, then the MTP module over its
+    own paged cache (a 6-row prefill, then one row at a time) equals mtp_forward on the full rows."""
+    import mindspore as ms
+
+    model = tiny_models["deepseek_v3"]
+    ids = random_ids(1, 10, seed=9)
+    next_ids = np.roll(ids, -1, axis=1)
+    ref_logits, ref_hidden = model.mtp_forward(model.hidden_states(ms.Tensor(ids)), ms.Tensor(next_ids))
+    ref_logits, ref_hidden = ref_logits.asnumpy()[0], ref_hidden.asnumpy()[0]
+
+    caches = model.allocate_kv_caches(num_blocks=4, block_size=4)
+    (mtp_cache,) = model.allocate_mtp_kv_caches(num_blocks=4, block_size=4)
+    blocks = [3, 0, 2]
+    table = np.array([blocks], np.int32)
+    done = 0
+    for n in [6, 1, 1, 1, 1]:
+        span = np.arange(done, done + n)
+        slots = np.array([blocks[p // 4] * 4 + p % 4 for p in span])
+        lens, starts = np.array([done + n]), np.array([0, n])
+        _, hidden = model.forward_paged(ids[0, span], span, caches, slots, table, lens, starts, return_hidden=True)
+        logits, out = model.mtp_forward_paged(next_ids[0, span], span, hidden, mtp_cache, slots, table, lens, starts)
+        assert rel_err(logits.asnumpy(), ref_logits[span]) < 1e-5
+        assert rel_err(out.asnumpy(), ref_hidden[span]) < 1e-5
+        done += n

@@ -5,7 +5,8 @@ Models
     DeepseekV3ForCausalLM (MLA, DeepSeekMoE, MTP). `model.model.embed_tokens`,
     `model.model.layers[i]`, `model.model.norm`, `model.lm_head` (None when tied) as in HF.
     `model(ids [B, S], positions=None, segment_ids=None) -> logits [B, S, V]` (training path),
-    `model.forward_packed(ids, cu_seqlens)`, and `model.forward_paged(...)` (paged-KV inference).
+    `model.forward_packed(ids, cu_seqlens)`, and `model.forward_paged(...)` (paged-KV inference);
+    DeepSeek-V3 also `mtp_forward(...)` and `mtp_forward_paged(...)` for its MTP modules.
 Configs
     LlamaConfig, Qwen2Config, DeepseekV3Config (HF config.json fields), load_config, tiny_config.
 Checkpoints

@@ -34,6 +34,22 @@ def packed_positions(cu_seqlens) -> tuple[np.ndarray, np.ndarray]:
     return positions.astype(np.int32), segments.astype(np.int32)
 
 
+def _tensor(x, dtype=np.int32) -> Tensor:
+    return x.astype(mstype.int32) if isinstance(x, Tensor) else Tensor(np.asarray(x, dtype))
+
+
+def paged_inputs(input_ids, positions, layer_cache, slot_mapping, block_tables, seq_lens, query_start_loc):
+    """(ids, positions, PagedMetadata) for one paged call; the block size is read off a layer's cache."""
+    first = layer_cache[0] if isinstance(layer_cache, (tuple, list)) else layer_cache
+    meta = PagedMetadata.build(positions, slot_mapping, block_tables, seq_lens, query_start_loc, first.shape[1])
+    return _tensor(input_ids), _tensor(positions), meta
+
+
+def select_rows(x, rows):
+    """x[rows] (rows: None for all, or indices)."""
+    return x if rows is None else x[_tensor(rows)]
+
+
 class CausalLM(nn.Cell):
     """Base of LlamaForCausalLM, Qwen2ForCausalLM and DeepseekV3ForCausalLM."""
 
@@ -93,27 +109,24 @@ class CausalLM(nn.Cell):
         seq_lens,
         query_start_loc,
         logits_indices=None,
+        return_hidden: bool = False,
     ):
         """Inference over a flat token batch mixing prefills and decodes (vLLM's layout).
 
         input_ids, positions, slot_mapping: [T]; block_tables [N, max_blocks]; seq_lens [N] (context
         length including this step's tokens); query_start_loc [N + 1]. kv_caches (from
         allocate_kv_caches) are written in place. Returns logits [T, V], or only the rows in
-        `logits_indices` (for example each sequence's last token).
+        `logits_indices` (for example each sequence's last token). With `return_hidden`, returns
+        (logits, hidden [T, H]): the final normed hidden states of all rows, which an MTP drafter takes.
         """
         if len(kv_caches) != len(self.model.layers):
             raise ModelError(f"{len(kv_caches)} kv caches for {len(self.model.layers)} layers")
-        first = kv_caches[0][0] if isinstance(kv_caches[0], (tuple, list)) else kv_caches[0]
-        meta = PagedMetadata.build(positions, slot_mapping, block_tables, seq_lens, query_start_loc, first.shape[1])
-        ids = input_ids if isinstance(input_ids, Tensor) else Tensor(np.asarray(input_ids, np.int32))
-        pos = positions if isinstance(positions, Tensor) else Tensor(np.asarray(positions, np.int32))
-        hidden = self.model.forward_paged(ids.astype(mstype.int32), pos.astype(mstype.int32), kv_caches, meta)
-        if logits_indices is not None:
-            rows = logits_indices
-            if not isinstance(rows, Tensor):
-                rows = Tensor(np.asarray(rows, np.int32))
-            hidden = hidden[rows]
-        return self.compute_logits(hidden)
+        ids, pos, meta = paged_inputs(
+            input_ids, positions, kv_caches[0], slot_mapping, block_tables, seq_lens, query_start_loc
+        )
+        hidden = self.model.forward_paged(ids, pos, kv_caches, meta)
+        logits = self.compute_logits(select_rows(hidden, logits_indices))
+        return (logits, hidden) if return_hidden else logits
 
     def num_params(self) -> int:
         """Number of parameter elements."""

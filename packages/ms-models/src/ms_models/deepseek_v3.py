@@ -11,7 +11,7 @@ from .dense import DecoderModel, LlamaDecoderLayer
 from .layers import MLP, Linear, RMSNorm
 from .mla import MLAttention
 from .moe import MoE
-from .mtp import SharedHead, mtp_forward
+from .mtp import SharedHead, mtp_forward, mtp_forward_paged
 
 
 class DeepseekV3DecoderLayer(LlamaDecoderLayer):
@@ -78,6 +78,43 @@ class DeepseekV3ForCausalLM(CausalLM):
         previous depth's output) and the ids of the tokens one step ahead [B, S]
         -> (logits [B, S, V] for the tokens two steps ahead, this depth's hidden states)."""
         return mtp_forward(self, hidden, next_input_ids, positions, segment_ids, depth)
+
+    def allocate_mtp_kv_caches(self, num_blocks: int, block_size: int) -> list:
+        """One zeroed latent cache per MTP module, like the main layers' (see allocate_kv_caches)."""
+        from .paged_cache import zeros_cache
+
+        layers = self.model.mtp_layers or []
+        return [zeros_cache(layer.self_attn.cache_shapes(num_blocks, block_size)) for layer in layers]
+
+    def mtp_forward_paged(
+        self,
+        input_ids,
+        positions,
+        previous_hidden,
+        mtp_cache,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        depth: int = 0,
+        logits_indices=None,
+    ):
+        """MTP module `depth` over a flat paged batch (its own cache from allocate_mtp_kv_caches()[depth]):
+        input_ids [T] are the tokens one step ahead of the rows whose `previous_hidden` [T, H] is given
+        (main model: forward_paged(..., return_hidden=True)). Returns (logits, this depth's hidden [T, H])."""
+        return mtp_forward_paged(
+            self,
+            input_ids,
+            positions,
+            previous_hidden,
+            mtp_cache,
+            slot_mapping,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            depth,
+            logits_indices,
+        )
 
     def extra_hub_tensors(self) -> dict[str, np.ndarray]:
         """DeepSeek-V3's checkpoint repeats the shared embedding and head in each MTP layer."""

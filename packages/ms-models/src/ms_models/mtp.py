@@ -48,3 +48,33 @@ def mtp_forward(model, hidden, next_input_ids, positions=None, segment_ids=None,
     x = layer.combine(model.model.embed_tokens(ids), hidden)
     x = layer(x, cos, sin, causal_mask(positions, segment_ids))
     return model.compute_logits(layer.shared_head(x)), x
+
+
+def mtp_forward_paged(
+    model,
+    input_ids,
+    positions,
+    previous_hidden,
+    mtp_cache,
+    slot_mapping,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    depth: int = 0,
+    logits_indices=None,
+):
+    """See DeepseekV3ForCausalLM.mtp_forward_paged."""
+    from .base import paged_inputs, select_rows
+
+    layers = model.model.mtp_layers
+    if layers is None or not 0 <= depth < len(layers):
+        count = 0 if layers is None else len(layers)
+        raise ModelError(f"MTP depth {depth} requested; the model has {count} MTP module(s)")
+    ids, pos, meta = paged_inputs(
+        input_ids, positions, mtp_cache, slot_mapping, block_tables, seq_lens, query_start_loc
+    )
+    layer = layers[depth]
+    cos, sin = model.model.rotary_emb(pos)
+    x = layer.combine(model.model.embed_tokens(ids), previous_hidden)
+    x = layer.forward_paged(x, cos, sin, mtp_cache, meta)
+    return model.compute_logits(layer.shared_head(select_rows(x, logits_indices))), x

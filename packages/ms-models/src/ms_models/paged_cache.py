@@ -133,8 +133,10 @@ def allocate_kv_caches(model, num_blocks: int, block_size: int, dtype=mstype.flo
     """Zeroed caches for every attention layer of `model` (the shapes come from model.kv_cache_shapes)."""
     if num_blocks <= 0 or block_size <= 0:
         raise ModelError(f"num_blocks={num_blocks}, block_size={block_size}; both must be positive")
-    out = []
-    for shapes in model.kv_cache_shapes(num_blocks, block_size):
-        tensors = tuple(Tensor(np.zeros(s, np.float32)).astype(dtype) for s in shapes)
-        out.append(tensors if len(tensors) > 1 else tensors[0])
-    return out
+    return [zeros_cache(shapes, dtype) for shapes in model.kv_cache_shapes(num_blocks, block_size)]
+
+
+def zeros_cache(shapes, dtype=mstype.float32):
+    """Zeroed tensors of `shapes`: a tuple for (k, v), a single tensor for one shape (MLA)."""
+    tensors = tuple(Tensor(np.zeros(s, np.float32)).astype(dtype) for s in shapes)
+    return tensors if len(tensors) > 1 else tensors[0]

@@ -188,9 +188,13 @@ class Monitor:
         pending = self._pending
         if pending is not None and self._capture is None and self.step_num >= pending["start"]:
             self._pending = None
-            self._capture = Capture(pending, self.rank, self._send_control, self.trace_root)
-            self._capture.begin(self.step_num)
-            self.captures.append(self._capture)
+            try:  # a capture must never break the step
+                self._capture = Capture(pending, self.rank, self._send_control, self.trace_root)
+                self._capture.begin(self.step_num)
+                self.captures.append(self._capture)
+            except Exception:
+                log.exception("ms-monitor: capture did not start")
+                self._capture = None
         if self._capture is not None:
             self._w0 = time.time_ns()
         self._t0 = time.perf_counter()

@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 import pytest
-from ms_probe import PrecisionDebugger, ProbeError
+from ms_probe import PrecisionDebugger, ProbeError, compare_dirs
 
 pytestmark = pytest.mark.needs_mindspore
 
@@ -138,6 +138,13 @@ def test_mix_level_dumps_functional_ops_under_their_cell(ms, tmp_path):
     from mindspore import ops
 
     assert not hasattr(ops.relu, "__wrapped__")  # restored by close()
+    # The same run dumped twice aligns every API call inside its module, and everything passes.
+    again = PrecisionDebugger(dump_path=str(tmp_path / "again"), level="mix")
+    with again.dump_step(net):
+        net(ms.Tensor(np.ones((2, 4), np.float32)))
+    rc = compare_dirs(folder, str(tmp_path / "again")).ranks[0]
+    apis = [m for m in rc.modules if m.kind == "api"]
+    assert apis and all(m.golden and m.result == "pass" for m in apis) and rc.first_divergence is None
 
 
 def test_config_file_and_errors(ms, tmp_path):

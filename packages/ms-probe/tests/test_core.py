@@ -142,7 +142,7 @@ def test_module_rules_blame_outputs_not_inherited_errors():
 
 
 def test_shapes_that_hold_the_same_data():
-    from ms_probe.compare import shapes_compatible
+    from ms_probe.pairing import shapes_compatible
 
     assert shapes_compatible((2, 8, 128), (2, 1, 8, 128)) is None  # HF's head axis
     assert shapes_compatible((16, 64), (2, 8, 64)) is None  # tokens flattened

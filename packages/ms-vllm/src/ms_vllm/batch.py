@@ -35,8 +35,6 @@ class RequestState:
     """Tokens generated so far."""
     generator: np.random.Generator | None = None
     """Per-request generator for seeded sampling."""
-    lora_name: str | None = None
-    """Adapter of the request (None: the base model)."""
 
     @property
     def num_tokens(self) -> int:

@@ -43,15 +43,13 @@ def _stops(state: RequestState, token: int, max_model_len: int) -> bool:
 class MindSporeModelRunner:
     """Request states, the paged KV cache and the step loop of one worker."""
 
-    def __init__(self, vllm_config, model, multi_step: int = 1, lora=None, drafter=None, parallel=None):
+    def __init__(self, vllm_config, model, multi_step: int = 1, drafter=None):
         self.vllm_config = vllm_config
         self.model = model
         self.block_size = vllm_config.cache_config.block_size
         self.max_model_len = vllm_config.model_config.max_model_len
         self.multi_step = multi_step
-        self.lora = lora
         self.drafter = drafter
-        self.parallel = parallel
         self.requests: dict[str, RequestState] = {}
         self.kv_caches: list | None = None
         self.shared_rng = np.random.default_rng(vllm_config.model_config.seed or 0)
@@ -81,7 +79,6 @@ class MindSporeModelRunner:
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             seed = getattr(params, "seed", None)
-            lora = new.lora_request
             self.requests[new.req_id] = RequestState(
                 req_id=new.req_id,
                 prompt_token_ids=list(new.prompt_token_ids or []),
@@ -89,10 +86,7 @@ class MindSporeModelRunner:
                 block_ids=list(new.block_ids[0]),
                 num_computed_tokens=new.num_computed_tokens,
                 generator=np.random.default_rng(seed) if seed is not None else None,
-                lora_name=None if lora is None else lora.lora_name,
             )
-            if self.lora is not None and lora is not None:
-                self.lora.add(lora)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             st = self.requests[req_id]
@@ -121,8 +115,6 @@ class MindSporeModelRunner:
         )
         ids, pos = Tensor(batch.input_ids), Tensor(batch.positions)
         self.stats["forwards"] += 1
-        if self.lora is not None:
-            self.lora.set_batch([self.requests[r].lora_name for r in batch.req_ids], batch.query_start_loc)
         return self.model.model.forward_paged(ids, pos, self.kv_caches, meta)
 
     def logits(self, hidden, rows: np.ndarray) -> np.ndarray:
@@ -131,8 +123,6 @@ class MindSporeModelRunner:
         if rows.size == 0:
             return np.zeros((0, self.model.config.vocab_size), np.float32)
         out = self.model.compute_logits(hidden[Tensor(rows.astype(np.int32))])
-        if self.parallel is not None:
-            out = self.parallel.gather_logits(out)
         return out.asnumpy()
 
     # ------------------------------------------------------------------ sampling

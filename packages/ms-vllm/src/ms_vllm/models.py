@@ -23,7 +23,7 @@ ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "DeepseekV3ForCausalLM"
 class MindSporeCausalLM(nn.Module):
     """A vLLM-facing wrapper around an ms_models causal LM (MindSpore, float32)."""
 
-    supports_lora: ClassVar[bool] = True
+    supports_lora: ClassVar[bool] = False  # LoRA is not served yet (the platform refuses enable_lora)
     supports_pp: ClassVar[bool] = False
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = {}
     embedding_modules: ClassVar[dict[str, str]] = {}

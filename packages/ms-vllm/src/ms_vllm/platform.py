@@ -61,7 +61,7 @@ class MindSporePlatform(Platform):
     ray_device_key = ""
     simple_compile_backend = "eager"
     dist_backend = "gloo"
-    supported_quantization = ["ms_w8a8", "ms_w4a16"]
+    supported_quantization: list[str] = []
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
@@ -104,13 +104,8 @@ class MindSporePlatform(Platform):
 
     @classmethod
     def get_punica_wrapper(cls) -> str:
-        # LoRA is applied by ms_vllm.lora inside the MindSpore model; vLLM's punica kernels are unused.
+        # LoRA is refused in check_and_update_config; vLLM's CPU wrapper names a valid class meanwhile.
         return "vllm.lora.punica_wrapper.punica_cpu.PunicaWrapperCPU"
-
-    @classmethod
-    def verify_quantization(cls, quant: str) -> None:
-        if quant not in cls.supported_quantization:
-            raise ValueError(f"quantization={quant!r} is not supported by ms-vllm; use one of {cls.supported_quantization}")
 
     @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
@@ -120,8 +115,16 @@ class MindSporePlatform(Platform):
         parallel = vllm_config.parallel_config
         if parallel.worker_cls == "auto":
             parallel.worker_cls = "ms_vllm.worker.MindSporeWorker"
-        if parallel.world_size > 1 and parallel.distributed_executor_backend in (None, "uni"):
-            parallel.distributed_executor_backend = "mp"
+        # Not built yet (see docs/ms-vllm.md, "Limits"): refuse at start-up rather than mid-request.
+        if parallel.world_size > 1:
+            raise NotImplementedError(
+                f"ms-vllm runs one worker process; tensor_parallel_size={parallel.tensor_parallel_size}, "
+                f"pipeline_parallel_size={parallel.pipeline_parallel_size} are not supported yet"
+            )
+        if vllm_config.lora_config is not None:
+            raise NotImplementedError("ms-vllm does not serve LoRA adapters yet (enable_lora)")
+        if vllm_config.model_config is not None and vllm_config.model_config.quantization:
+            raise NotImplementedError(f"quantization={vllm_config.model_config.quantization!r} is not supported yet")
         compilation = vllm_config.compilation_config
         compilation.mode = CompilationMode.NONE
         compilation.cudagraph_capture_sizes = []

@@ -4,7 +4,7 @@ vLLM calls, in order: `init_device`, `load_model`, `get_kv_cache_spec`,
 `determine_available_memory`, `initialize_from_config` (the block count the engine settled on),
 `compile_or_warm_up_model`, then `execute_model` once per engine step (and `take_draft_token_ids`
 after it when speculative decoding is on). With tensor/expert parallelism every worker process
-runs the same calls on its shard; they meet in ms_layout.comm's gloo collectives (parallel.py).
+would run the same calls on its shard (not built yet: the platform refuses world_size > 1).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ class MindSporeWorker(WorkerBase):
     def __init__(self, vllm_config, local_rank: int, rank: int, distributed_init_method: str, is_driver_worker=False):
         super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
         self.runner = None
-        self.parallel = None
         guard_accelerator_cache()
 
     # ------------------------------------------------------------------ set-up
@@ -44,11 +43,6 @@ class MindSporeWorker(WorkerBase):
         threads = os.environ.get("MS_VLLM_THREADS")
         if threads:
             ms.set_context(runtime_num_threads=int(threads))
-        pc = self.parallel_config
-        if pc.world_size > 1:
-            from .parallel import ParallelRuntime
-
-            self.parallel = ParallelRuntime.start(self.vllm_config, self.rank, self.distributed_init_method)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         from .model_runner import MindSporeModelRunner
@@ -57,13 +51,6 @@ class MindSporeWorker(WorkerBase):
         cls = resolve_model_class(self.model_config)
         wrapper = cls(vllm_config=self.vllm_config)
         model = wrapper.ms_model
-        if self.parallel is not None:
-            model = self.parallel.shard_model(model)
-        lora = None
-        if self.vllm_config.lora_config is not None:
-            from .lora import LoRAManager
-
-            lora = LoRAManager(model, self.vllm_config.lora_config)
         drafter = None
         spec = self.vllm_config.speculative_config
         if spec is not None:
@@ -71,7 +58,7 @@ class MindSporeWorker(WorkerBase):
 
             drafter = MTPDrafter(model, spec)
         self.runner = MindSporeModelRunner(
-            self.vllm_config, model, multi_step_from(self.vllm_config), lora, drafter, self.parallel
+            self.vllm_config, model, multi_step_from(self.vllm_config), drafter=drafter
         )
         self.model_wrapper = wrapper
 
@@ -123,10 +110,7 @@ class MindSporeWorker(WorkerBase):
 
     # ------------------------------------------------------------------ steps
     def execute_model(self, scheduler_output):
-        out = self.runner.execute(scheduler_output)
-        if self.parallel is not None and not self.parallel.is_output_rank:
-            return None if self.rank else out
-        return out
+        return self.runner.execute(scheduler_output)
 
     def sample_tokens(self, grammar_output):
         raise RuntimeError("ms-vllm samples inside execute_model; structured outputs are not supported")
@@ -144,25 +128,5 @@ class MindSporeWorker(WorkerBase):
         """The runner's counters (for tests and benchmarks: `llm.collective_rpc("ms_vllm_stats")`)."""
         return dict(self.runner.stats)
 
-    # ------------------------------------------------------------------ LoRA
-    def add_lora(self, lora_request) -> bool:
-        return self._lora().add(lora_request)
-
-    def remove_lora(self, lora_id: int) -> bool:
-        return self._lora().remove(lora_id)
-
-    def pin_lora(self, lora_id: int) -> bool:
-        return lora_id in self._lora().list()
-
-    def list_loras(self) -> set[int]:
-        return self._lora().list()
-
-    def _lora(self):
-        if self.runner is None or self.runner.lora is None:
-            raise RuntimeError("LoRA is not enabled: start the engine with enable_lora=True")
-        return self.runner.lora
-
     def shutdown(self) -> None:
-        if self.parallel is not None:
-            self.parallel.close()
-            self.parallel = None
+        self.runner = None

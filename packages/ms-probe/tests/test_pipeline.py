@@ -167,7 +167,12 @@ def test_cli_json_and_html_report_screenshot(tmp_path, capsys):
         "summary.json",
     ]
     csv_head = open(out / "compare_result_step0_rank0.csv").readline()
-    assert csv_head.startswith("NPU Name,Bench Name,NPU Dtype,Bench Dtype,NPU Tensor Shape,Bench Tensor Shape,Cosine")
+    assert csv_head.startswith(
+        "NPU Name,Bench Name,NPU Dtype,Bench Dtype,NPU Tensor Shape,Bench Tensor Shape,"
+        "NPU Requires_grad,Bench Requires_grad,Cosine,EucDist,MaxAbsErr,MaxRelativeErr,"
+        "One Thousandth Err Ratio,Five Thousandths Err Ratio"
+    )
+    assert "Requires_grad Consistent,Result,Err_message,NPU_Stack_Info,Data_name" in csv_head
     html = (out / "report.html").read_text()
     assert "FIRST DIVERGENCE" in html and "Cell.block.act.ReLU.forward.0" in html
     assert main(["compare", "--target", t, "--golden", g, "--out", str(out), "--fail-on-divergence"]) == 1
@@ -177,3 +182,22 @@ def test_cli_json_and_html_report_screenshot(tmp_path, capsys):
     screenshot(out / "report.html", png)
     assert png.stat().st_size > 10_000
     shutil.copy(png, os.environ.get("MS_PROBE_SCREENSHOT", tmp_path / "copy.png"))
+
+
+def test_md5_summary_reports_bit_differences(tmp_path):
+    t, g = _pair(tmp_path, "statistics", scale=1.2, summary_mode="md5")
+    rc = compare_dirs(t, g).ranks[0]
+    fc1 = next(r for r in rc.rows if r.target == "Cell.block.fc1.Dense.forward.0.output.0")
+    act = next(r for r in rc.rows if r.target == "Cell.block.act.ReLU.forward.0.output.0")
+    assert fc1.metrics["md5_equal"] is True and act.metrics["md5_equal"] is False
+    assert "md5 (CRC-32) differs" in act.message
+
+
+def test_structure_task_writes_the_tree_only(tmp_path):
+    folder = dump_fake(tmp_path / "s", MLPNet(), task="structure")
+    data = json.load(open(os.path.join(folder, "dump.json")))["data"]
+    assert data["Cell.block.fc1.Dense.forward.0"] == {}
+    assert (
+        json.load(open(os.path.join(folder, "construct.json")))["Cell.block.act.ReLU.forward.0"]
+        == "Cell.block.MLP.forward.0"
+    )

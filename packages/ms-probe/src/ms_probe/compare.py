@@ -146,6 +146,10 @@ def _compare_pair(mode: str, td: RankDump, gd: RankDump, ti: DumpItem, gi: DumpI
     metrics["_mode"] = row_mode
     metrics["_shape_ok"] = shape_ok
     status, message = row_status(row_mode, metrics, shape_ok, th)
+    if "md5" in te.info and "md5" in ge.info:  # summary_mode="md5": bit-exactness, reported beside the rules
+        metrics["md5_equal"] = te.info["md5"] == ge.info["md5"]
+        if not metrics["md5_equal"]:
+            message = (message + "; " if message else "") + "md5 (CRC-32) differs"
     if te.dtype and ge.dtype and dtype_kind(te.dtype) != dtype_kind(ge.dtype):
         message = (message + "; " if message else "") + f"dtype {te.dtype} vs {ge.dtype}"
     row.metrics, row.result = metrics, status

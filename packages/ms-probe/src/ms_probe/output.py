@@ -55,6 +55,8 @@ def row_record(rc: RankCompare, row: Row, module_of: dict[str, Any]) -> dict[str
         "Bench Dtype": g.get("dtype", g.get("type", "N/A")),
         "NPU Tensor Shape": t.get("shape", "N/A"),
         "Bench Tensor Shape": g.get("shape", "N/A"),
+        "NPU Requires_grad": t.get("requires_grad", "N/A"),
+        "Bench Requires_grad": g.get("requires_grad", "N/A"),
     }
     if rc.mode == "tensor":
         for k in TENSOR_METRICS:
@@ -69,8 +71,11 @@ def row_record(rc: RankCompare, row: Row, module_of: dict[str, Any]) -> dict[str
         for label, value in zip(("max", "min", "mean", "l2norm"), _stats(info)):
             rec[f"{side} {label}"] = value
     m = module_of.get(row.item)
+    rg_t, rg_g = t.get("requires_grad"), g.get("requires_grad")
     rec.update(
         {
+            # MindSpore records carry no requires_grad: only a recorded disagreement counts.
+            "Requires_grad Consistent": rg_t is None or rg_g is None or rg_t == rg_g,
             "Result": row.result,
             "Err_message": row.message,
             "NPU_Stack_Info": (m.stack or [""])[0] if m is not None and m.stack else "",

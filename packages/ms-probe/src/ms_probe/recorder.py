@@ -141,9 +141,9 @@ class Recorder:
         self._flush_pending_grads()
         if not self.writer.data:
             msg = (
-                f"step {self.step} rank {self.rank}: no module or API call was recorded between start() and stop(); "
-                "the model did not run, or it ran inside mindspore.jit / GRAPH_MODE where hooks are ignored "
-                "(PrecisionDebugger(jit='pynative') runs the dumped steps eagerly)"
+                f"step {self.step} rank {self.rank}: no module or API call was recorded between start() and stop(): "
+                "the model did not run, or it ran compiled (mindspore.jit or GRAPH_MODE with jit='boundary'), "
+                "where hooks record nothing; jit='pynative' (the default) runs dumped steps eagerly"
             )
             self.writer.warn(msg)
             log.warning("ms-probe: %s", msg)

@@ -48,9 +48,12 @@ def test_list_of_models_and_data_mode(tmp_path):
 
     a, b = _net(), _net()
     dbg = PrecisionDebugger(dump_path=str(tmp_path), data_mode=["forward"])
+    dbg.set_init_step(5)  # a resumed run numbers its steps on
     with dbg.dump_step([a, b]):
-        b(a(torch.randn(2, 4))[:, :4] if False else torch.randn(2, 4))
-    data = json.load(open(os.path.join(tmp_path, "step0", "rank0", "dump.json")))["data"]
+        a(torch.randn(2, 4))
+        b(torch.randn(2, 4))
+    assert dbg.current_step == 6
+    data = json.load(open(os.path.join(tmp_path, "step5", "rank0", "dump.json")))["data"]
     assert "Module.1.0.Linear.forward.0" in data and not any(".backward." in k for k in data)
 
 

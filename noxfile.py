@@ -32,6 +32,8 @@ nox.options.reuse_existing_virtualenvs = True
 # that pip is told about, or it would download PyPI's multi-GB CUDA build of torch.
 if os.environ.get("PIP_FIND_LINKS") and not os.environ.get("UV_FIND_LINKS"):
     os.environ["UV_FIND_LINKS"] = os.environ["PIP_FIND_LINKS"]
+# ... and hold it to the versions tested here (that CPU torch, MindSpore 2.10, numpy<2).
+os.environ.setdefault("UV_CONSTRAINT", str(ROOT / "constraints.txt"))
 
 
 def _pyproject(package: str) -> dict:
@@ -42,20 +44,22 @@ def _packages() -> list[str]:
     return sorted(p.parent.name for p in PACKAGES_DIR.glob("*/pyproject.toml"))
 
 
-def _local_deps(package: str, seen: set[str] | None = None) -> list[str]:
-    """Local packages `package` depends on, dependencies first (they are not on PyPI yet)."""
+def _local_deps(package: str, extra: str | None = None, seen: set[str] | None = None) -> list[str]:
+    """Local packages that `package` (with `extra`) depends on, dependencies first; they are
+    installed from packages/ because they are not on PyPI yet. A dependency's own extras are not
+    followed, so a `test-core` environment never pulls in what only the full `test` extra needs."""
     seen = set() if seen is None else seen
     local = set(_packages())
-    out: list[str] = []
     project = _pyproject(package)["project"]
     requirements = list(project.get("dependencies", []))
-    for extra in project.get("optional-dependencies", {}).values():
-        requirements += extra
+    if extra:
+        requirements += project.get("optional-dependencies", {}).get(extra, [])
+    out: list[str] = []
     for requirement in requirements:
         name = re.split(r"[\s<>=!~\[;]", requirement, maxsplit=1)[0]
         if name in local and name != package and name not in seen:
             seen.add(name)
-            out += _local_deps(name, seen) + [name]
+            out += _local_deps(name, None, seen) + [name]
     return out
 
 
@@ -76,7 +80,7 @@ def _preinstall(session: nox.Session, package: str) -> None:
 
 
 def _install_package(session: nox.Session, package: str, extra: str) -> None:
-    for dep in _local_deps(package):
+    for dep in _local_deps(package, extra):
         _preinstall(session, dep)
         session.install("-e", str(PACKAGES_DIR / dep))
     if extra != "test-core":

@@ -184,10 +184,38 @@ def _as_p2p(plan, index, me, src, src_at, recvs, out) -> list:
 
 
 def _exchange(group, batch: list) -> None:
+    """Send and receive a round's buffers with one message per peer and direction.
+
+    Both ends list the buffers between them in the same order (the plan's), so the sender can
+    concatenate its buffers for a peer as raw bytes and the receiver cut the message back into its
+    buffers: a round costs at most one message per pair however many pieces it moves."""
     if not batch:
         return
     from ms_layout.comm import P2POp
 
-    works = group.batch_isend_irecv([P2POp(kind, buf, _local(group, peer)) for kind, buf, peer in batch])
-    for work in works:
+    sends: dict[int, list[np.ndarray]] = {}
+    recvs: dict[int, list[np.ndarray]] = {}
+    for kind, buf, peer in batch:
+        (sends if kind == "send" else recvs).setdefault(peer, []).append(buf)
+    ops, merged = [], []
+    for peer, bufs in sends.items():
+        message = bufs[0] if len(bufs) == 1 else np.concatenate([_bytes(b) for b in bufs])
+        if message.nbytes:
+            ops.append(P2POp("send", message, _local(group, peer)))
+    for peer, bufs in recvs.items():
+        message = bufs[0] if len(bufs) == 1 else np.empty(sum(b.nbytes for b in bufs), np.uint8)
+        if message.nbytes:
+            ops.append(P2POp("recv", message, _local(group, peer)))
+            if len(bufs) > 1:
+                merged.append((message, bufs))
+    for work in group.batch_isend_irecv(ops):
         work.wait()
+    for message, bufs in merged:
+        offset = 0
+        for b in bufs:
+            _bytes(b)[...] = message[offset : offset + b.nbytes]
+            offset += b.nbytes
+
+
+def _bytes(buf: np.ndarray) -> np.ndarray:
+    return buf.reshape(-1).view(np.uint8)

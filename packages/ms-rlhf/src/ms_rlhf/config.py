@@ -31,10 +31,10 @@ DEFAULT_MODEL = {
 class TrainConfig:
     """Everything a GRPO run needs."""
 
-    task: str = "reverse"
-    """Verifiable task: "reverse" or "add" (tasks.py)."""
-    task_params: dict[str, Any] = field(default_factory=dict)
-    """Task parameters, e.g. {"alphabet": "abcd", "min_len": 2, "max_len": 4}."""
+    task: str = "add"
+    """Verifiable task: "add" or "reverse" (tasks.py)."""
+    task_params: dict[str, Any] = field(default_factory=lambda: {"max_operand": 4})
+    """Task parameters, e.g. {"max_operand": 4} or {"alphabet": "abcd", "min_len": 2, "max_len": 4}."""
     dataset_size: int = 1024
     """Prompts in the fixed dataset drawn from the seed."""
     model: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_MODEL))
@@ -43,7 +43,7 @@ class TrainConfig:
     """Start from this ms_models checkpoint directory instead (its vocabulary must cover the task's)."""
     seed: int = 0
     """Seeds the model init, the dataset, the sampler and every rollout sample."""
-    steps: int = 30
+    steps: int = 40
     """Rollout + update steps to run."""
     prompts_per_step: int = 8
     """Prompts per rollout (N)."""
@@ -53,13 +53,13 @@ class TrainConfig:
     """Longest response."""
     temperature: float = 1.0
     """Sampling temperature of rollouts."""
-    lr: float = 3e-3
+    lr: float = 1e-2
     """Adam learning rate."""
     max_grad_norm: float = 1.0
     """Global gradient-norm clip (0: off)."""
     clip_eps: float = 0.2
     """PPO/GRPO ratio clip."""
-    kl_coef: float = 0.02
+    kl_coef: float = 0.005
     """Weight of the k3 KL term to the reference model."""
     loss_aggregation: str = "seq-mean-token-mean"
     """How token terms are averaged: "seq-mean-token-mean", "token-mean", "seq-mean-token-sum"."""
@@ -71,8 +71,8 @@ class TrainConfig:
     """Most tokens per pack."""
     max_pack_count: int | None = None
     """Most samples per pack (None: no limit)."""
-    micro_batch_size: int = 8
-    """Samples per padded micro-batch when packing is off."""
+    micro_batch_size: int = 4
+    """Rows per micro-batch: packs when packing, samples (one per row) when padding."""
     rollout_strategy: str = "uniform"
     """Where requests run: "uniform", "contiguous" or "balanced" (sampling.py)."""
     rollout_instances: int = 2

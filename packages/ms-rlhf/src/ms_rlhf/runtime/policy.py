@@ -1,0 +1,112 @@
+"""The policy side in MindSpore: building the models, token log-probs and the GRPO loss on rows.
+
+Rows come from ms_rlhf.loss.build_row (packs or padded samples; positions restart per sample and
+segment ids keep samples from attending to each other, through ms_models' training forward). The
+loss is sum(w * (pg + beta * kl)) with the per-token weights of loss.sample_weights, so micro-batch
+losses and gradients simply add up (see loss.py for why that is exact).
+
+Both functions run under ``mindspore.jit`` when asked: rows are then padded to one width, so the
+graph compiles once (PyNative dispatch costs ~100x the math of a tiny model on CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..loss import Row, per_response_token, per_token
+
+
+def build_model(config, vocab_size: int, seed: int):
+    """The policy model: ms_models tiny_config(arch, **overrides) or from_pretrained(model_path)."""
+    import ms_models
+
+    from ..errors import RLHFError
+
+    if config.model_path:
+        model = ms_models.from_pretrained(config.model_path)
+        if model.config.vocab_size < vocab_size:
+            raise RLHFError(f"model vocab_size {model.config.vocab_size} < the task tokenizer's {vocab_size}")
+        return model
+    params = dict(config.model)
+    arch = params.pop("arch", "llama")
+    try:
+        model_config = ms_models.tiny_config(arch, vocab_size=vocab_size, **params)
+    except (TypeError, ms_models.ModelError) as exc:
+        raise RLHFError(f"bad model config {config.model}: {exc}") from None
+    model = ms_models.from_config(model_config, seed=seed)
+    return model
+
+
+class PolicyFunctions:
+    """Log-probs and the GRPO loss with its gradients for one model."""
+
+    def __init__(self, model, clip_eps: float, kl_coef: float, jit: bool):
+        import mindspore as ms
+        from mindspore import ops
+
+        self.model = model
+        self.params = model.trainable_params()
+        eps, beta = float(clip_eps), float(kl_coef)
+
+        def logprobs(ids, positions, segments, targets):
+            logits = model(ids, positions, segments)
+            logp = ops.log_softmax(logits, -1)
+            return ops.gather_elements(logp, -1, targets.expand_dims(-1)).squeeze(-1)
+
+        def loss(ids, positions, segments, targets, weights, adv, old, ref):
+            logp = logprobs(ids, positions, segments, targets)
+            on = weights > 0
+            ratio = ops.exp(ops.where(on, logp - old, ops.zeros_like(logp)))
+            unclipped, clipped = ratio * adv, ops.clamp(ratio, 1 - eps, 1 + eps) * adv
+            pg = -ops.minimum(unclipped, clipped)
+            diff = ops.where(on, ref - logp, ops.zeros_like(logp))
+            kl = ops.exp(diff) - diff - 1
+            total = ((pg + beta * kl) * weights).sum()
+            clip_count = ops.logical_and(on, unclipped > clipped).astype(ms.float32).sum()
+            return total, ((pg * weights).sum(), (kl * weights).sum(), clip_count)
+
+        self._logprobs = logprobs
+        self._grad = ms.value_and_grad(loss, None, self.params, has_aux=True)
+        if jit:
+            self._logprobs = ms.jit(logprobs)
+            self._grad = ms.jit(self._grad)
+
+    @staticmethod
+    def tensors(rows: Sequence[Row]) -> tuple:
+        """ids, positions, segment ids and targets of equal-width rows as [B, W] tensors."""
+        import mindspore as ms
+
+        stack = lambda name: ms.Tensor(np.stack([getattr(r, name) for r in rows]))  # noqa: E731
+        return stack("input_ids"), stack("positions"), stack("segment_ids"), stack("targets")
+
+    def logprobs(self, rows: Sequence[Row]) -> np.ndarray:
+        """[B, W] log-prob of every row's target tokens (only loss positions are meaningful)."""
+        return self._logprobs(*self.tensors(rows)).asnumpy()
+
+    def loss_and_grads(self, rows, weights, adv, old, ref):
+        """(loss, pg, kl, clipped tokens) as floats and the gradients as numpy arrays, for rows
+        with per-row arrays: `weights` [B, W] token weights, `adv` per-sample advantages, and
+        `old`/`ref` [B, W] row-aligned log-probs."""
+        import mindspore as ms
+
+        arrays = [
+            np.stack(weights).astype(np.float32),
+            np.stack([per_token(r, adv) for r in rows]),
+            np.stack(old).astype(np.float32),
+            np.stack(ref).astype(np.float32),
+        ]
+        (total, aux), grads = self._grad(*self.tensors(rows), *(ms.Tensor(a) for a in arrays))
+        stats = (float(total.asnumpy()), *(float(a.asnumpy()) for a in aux))
+        return stats, [g.asnumpy() for g in grads]
+
+
+def row_weights(row: Row, sample_weight: np.ndarray) -> np.ndarray:
+    """Per-token loss weights of a row from per-sample weights (0 off the loss positions)."""
+    return per_token(row, sample_weight)
+
+
+def response_values(row: Row, per_sample: Sequence[np.ndarray]) -> np.ndarray:
+    """Row-aligned per-response-token values (e.g. rollout log-probs)."""
+    return per_response_token(row, per_sample)

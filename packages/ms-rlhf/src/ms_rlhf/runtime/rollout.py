@@ -1,0 +1,188 @@
+"""Rollout engines: the interface the trainer generates through, and the embedded engine.
+
+An engine turns :class:`Request` s into :class:`Completion` s and exposes the Parameters that
+weight sync writes into. Two implementations:
+
+* :class:`EmbeddedEngine` (default): an ms_models model in this process.
+  - ``mode="paged"``: ms_models' inference path, ``forward_paged`` over a paged KV cache (vLLM's
+    flat-batch layout): all prompts of the batch prefilled in one call, then one decode token per
+    running sequence per call. It runs in PyNative (the cache writes are in-place index
+    assignments, which ``mindspore.jit`` would drop; docs/ms-models.md).
+  - ``mode="jit"``: the training forward compiled with ``mindspore.jit`` over a fixed
+    [batch, prompt + max_new_tokens] buffer, recomputing the whole (short) sequence each token.
+    On CPU PyNative dispatch dominates a tiny model (measured 1.1 s per PyNative forward against
+    7 ms compiled on a loaded 2-core machine), so this is what CPU runs use; for long sequences the
+    paged path's O(1)-per-token decode wins.
+* ``VllmEngine`` (runtime/vllm_engine.py): vLLM with the ms-vllm plugin.
+
+Sampling is keyed, not stateful: request r of step s draws its uniforms from
+``numpy.random.default_rng([seed, step, r])``. So a request's tokens do not depend on which
+instance ran it, in which batch, or in which order (uniform vs contiguous sampling generate the
+very same samples), and a resumed run needs no sampler state to continue bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from ..errors import RLHFError
+
+
+@dataclass(frozen=True)
+class Request:
+    """One sample to generate."""
+
+    request_id: int
+    """r = prompt * n + sample (group order)."""
+    prompt_ids: tuple[int, ...]
+    """Prompt token ids (with <s>)."""
+    key: tuple[int, ...]
+    """Sampling key: the request's uniforms come from numpy.random.default_rng(key)."""
+    max_new_tokens: int
+    """Longest response."""
+    stop_after: int | None = None
+    """Benchmarks only: stop after exactly this many tokens, ignoring </s> (a scripted length)."""
+
+
+@dataclass
+class Completion:
+    """What came back for one request."""
+
+    request_id: int
+    """The request it answers."""
+    tokens: list[int] = field(default_factory=list)
+    """Response token ids (ending with </s> unless cut at max_new_tokens)."""
+    logprobs: list[float] = field(default_factory=list)
+    """Log-prob of each response token under the rollout model at temperature 1."""
+
+
+class RolloutEngine(Protocol):
+    """What the trainer needs from an inference engine."""
+
+    def generate(self, requests: Sequence[Request]) -> list[Completion]:
+        """Completions in request order."""
+        ...
+
+    def weight_targets(self) -> dict[str, object]:
+        """{HF parameter name: MindSpore Parameter} that weight sync writes the new policy into."""
+        ...
+
+
+def sample_token(logits: np.ndarray, temperature: float, uniform: float) -> tuple[int, float]:
+    """Inverse-CDF sample from softmax(logits / T) with one uniform; returns (token, log-prob at T=1)."""
+    z = logits.astype(np.float64)
+    logp = z - z.max()
+    logp -= np.log(np.exp(logp).sum())
+    scaled = z / temperature
+    p = np.exp(scaled - scaled.max())
+    cdf = np.cumsum(p)
+    token = int(np.searchsorted(cdf, uniform * cdf[-1], side="right"))
+    token = min(token, len(p) - 1)
+    return token, float(logp[token])
+
+
+class _Running:
+    def __init__(self, request: Request):
+        self.request = request
+        self.tokens = list(request.prompt_ids)
+        self.out = Completion(request.request_id)
+        self.uniforms = np.random.default_rng(list(request.key)).random(request.stop_after or request.max_new_tokens)
+        self.blocks: list[int] = []
+        self.computed = 0
+
+    def push(self, logits: np.ndarray, temperature: float, eos_id: int) -> bool:
+        """Sample the next token; True when the sequence is done."""
+        stop = self.request.stop_after
+        if stop is not None and len(self.out.tokens) + 1 < stop:
+            logits = np.where(np.arange(len(logits)) == eos_id, -np.inf, logits)  # scripted length: no early </s>
+        token, logp = sample_token(logits, temperature, self.uniforms[len(self.out.tokens)])
+        self.out.tokens.append(token)
+        self.out.logprobs.append(logp)
+        self.tokens.append(token)
+        n = len(self.out.tokens)
+        if stop is not None:
+            return n >= stop
+        return token == eos_id or n >= self.request.max_new_tokens
+
+
+class EmbeddedEngine:
+    """An ms_models CausalLM generating in this process (see the module docstring)."""
+
+    def __init__(self, model, eos_id: int, temperature: float = 1.0, mode: str = "paged", block_size: int = 8):
+        if mode not in ("paged", "jit"):
+            raise RLHFError(f"embedded engine mode {mode!r}; expected 'paged' or 'jit'")
+        self.model, self.eos_id, self.temperature, self.mode, self.block_size = (
+            model, eos_id, temperature, mode, block_size)  # fmt: skip
+        self._compiled = None
+
+    def weight_targets(self) -> dict[str, object]:
+        return dict(self.model.parameters_and_names())
+
+    def generate(self, requests: Sequence[Request], batch: int | None = None) -> list[Completion]:
+        """Completions in request order. `batch` pads the jit batch to a fixed size (one compile)."""
+        if not requests:
+            return []
+        running = [_Running(r) for r in requests]
+        if self.mode == "paged":
+            self._paged(running)
+        else:
+            self._jit(running, batch or len(running))
+        return [r.out for r in running]
+
+    # -------------------------------------------------------------------------- jit recompute
+    def _jit(self, running: list[_Running], batch: int) -> None:
+        import mindspore as ms
+
+        if self._compiled is None:
+            self._compiled = ms.jit(self.model)
+        width = max(len(r.request.prompt_ids) + (r.request.stop_after or r.request.max_new_tokens) for r in running)
+        for start in range(0, len(running), batch):
+            chunk = running[start : start + batch]
+            buf = np.zeros((batch, width), np.int32)
+            active = list(range(len(chunk)))
+            while active:
+                for i in active:
+                    buf[i, : len(chunk[i].tokens)] = chunk[i].tokens
+                logits = self._compiled(ms.Tensor(buf)).asnumpy()
+                active = [i for i in active if not chunk[i].push(logits[i, len(chunk[i].tokens) - 1],
+                                                                 self.temperature, self.eos_id)]  # fmt: skip
+
+    # -------------------------------------------------------------------------- paged KV cache
+    def _paged(self, running: list[_Running]) -> None:
+        from ms_models import BlockAllocator
+
+        bs = self.block_size
+        longest = [len(r.tokens) + (r.request.stop_after or r.request.max_new_tokens) for r in running]
+        num_blocks = sum(-(-n // bs) for n in longest)
+        caches = self.model.allocate_kv_caches(num_blocks, bs)
+        allocator = BlockAllocator(num_blocks)
+        active = list(running)
+        while active:
+            ids, positions, slots, starts, lens = [], [], [], [0], []
+            for seq in active:
+                while len(seq.blocks) * bs < len(seq.tokens):
+                    seq.blocks.append(allocator.allocate())
+                for pos in range(seq.computed, len(seq.tokens)):
+                    positions.append(pos)
+                    slots.append(seq.blocks[pos // bs] * bs + pos % bs)
+                ids += seq.tokens[seq.computed :]
+                starts.append(len(ids))
+                lens.append(len(seq.tokens))
+            width = max(len(s.blocks) for s in active)
+            tables = np.array([s.blocks + [0] * (width - len(s.blocks)) for s in active], np.int32)
+            logits = self.model.forward_paged(
+                np.array(ids, np.int32), np.array(positions, np.int32), caches, np.array(slots, np.int32), tables,
+                np.array(lens, np.int32), np.array(starts, np.int32), logits_indices=np.array(starts[1:], np.int32) - 1,
+            ).asnumpy()  # fmt: skip
+            still = []
+            for seq, row in zip(active, logits):
+                seq.computed = len(seq.tokens)
+                if seq.push(row, self.temperature, self.eos_id):
+                    allocator.release(seq.blocks)
+                else:
+                    still.append(seq)
+            active = still

@@ -1,0 +1,284 @@
+"""The GRPO trainer: rollout -> rewards -> packs -> old/ref log-probs -> updates -> weight sync.
+
+One process per rank; ranks are DP replicas of the training model and DP inference instances
+(``rollout_instances`` per rank, run one after another). Per step:
+
+1. the next N prompts from the PromptStream (same on every rank); N*n requests;
+2. uniform sampling (sampling.py) places them on the W * I inference instances; each rank
+   generates its instances' requests; completions are all-gathered and put back in group order;
+3. rewards from the task, group-normalised advantages;
+4. per mini-batch (``updates_per_rollout``): packs (or padded batches) spread over the ranks;
+   old-policy log-probs (the rollout weights) and reference log-probs for this rank's rows;
+5. per mini-batch: gradients of sum(w * l) over this rank's micro-batches, all-reduced by SUM
+   over ranks, global-norm clipped, one Adam step on the master weights (this rank's shard with
+   optimizer sharding);
+6. ms-reshard moves the master weights into the training model after each update and into the
+   rollout model after the step (and into the reference model every ``ref_sync_every`` steps).
+
+Checkpoints hold the master shards, the reference shards, the Adam state, the data cursor, the
+RNG states and the history; a resumed run loads them and reshards into the three models rather
+than reading any model weights from disk again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from .. import checkpoint
+from ..config import TrainConfig
+from ..errors import RLHFError
+from ..sampling import split
+from ..tasks import PromptStream, make_task
+from .experience import make_experience, micro_batches, weights_for
+from .group import all_gather_objects, world_group
+from .policy import PolicyFunctions, build_model, response_values, row_weights
+from .rollout import Completion, EmbeddedEngine, Request
+from .sync import WeightSync
+
+log = logging.getLogger("ms_rlhf")
+
+
+class GRPOTrainer:
+    """GRPO on a verifiable task (see the module docstring); `group` defaults to ms_layout.comm's
+    world when initialised, else a single process."""
+
+    def __init__(self, config: TrainConfig, group=None, engine=None, rollout_mode: str | None = None):
+        import mindspore as ms
+        from mindspore import Parameter, Tensor, nn
+
+        self.config, cfg = config, config
+        self.group = world_group(group)
+        self.rank, self.world = int(self.group.rank), int(self.group.size)
+        self.task = make_task(cfg.task, **cfg.task_params)
+        self.tokenizer = self.task.tokenizer
+        self.stream = PromptStream(self.task, cfg.seed, cfg.dataset_size)
+        vocab = self.tokenizer.vocab_size
+        # Only the training model starts from the initial weights; the other two start elsewhere
+        # and get theirs through weight sync, which is what the tests check.
+        self.model = build_model(cfg, vocab, cfg.seed)
+        self.infer_model = build_model(cfg, vocab, cfg.seed + 1000)
+        self.ref_model = build_model(cfg, vocab, cfg.seed + 2000)
+        self.sync = WeightSync(self.model.config, self.group, cfg.optimizer_shard)
+        full = {n: p.asnumpy() for n, p in self.model.parameters_and_names()}
+        self.master = {n: Parameter(Tensor(full[n][self.sync.master_slice(n)].copy()), name=f"master.{n}")
+                       for n in self.sync.master}  # fmt: skip
+        self.ref_shards = {n: p.asnumpy().copy() for n, p in self.master.items()}
+        self.trainable = [p.name for p in self.model.trainable_params()]
+        self.optimizer = nn.Adam([self.master[n] for n in self.trainable], learning_rate=cfg.lr)
+        self.policy = PolicyFunctions(self.model, cfg.clip_eps, cfg.kl_coef, cfg.jit)
+        self.reference = PolicyFunctions(self.ref_model, cfg.clip_eps, cfg.kl_coef, cfg.jit)
+        mode = rollout_mode or ("jit" if cfg.jit else "paged")
+        if engine is None and cfg.rollout_engine == "vllm":
+            from .vllm_engine import VllmEngine
+
+            engine = VllmEngine.from_model(self.infer_model, self.tokenizer, cfg)
+        self.engine = engine or EmbeddedEngine(self.infer_model, self.tokenizer.eos_id, cfg.temperature, mode,
+                                               cfg.block_size)  # fmt: skip
+        self.step_count, self.history, self.length_memory = 0, [], {}
+        self.last_sync = self._sync_all(ref=True)
+        self._ms = ms
+
+    # ------------------------------------------------------------------------------- weight sync
+    def _sync_all(self, ref: bool = False) -> dict:
+        train = self.sync.run(self.master, dict(self.model.parameters_and_names()))
+        infer = self.sync.run(self.master, self.engine.weight_targets())
+        if ref:
+            self.sync.run(self.ref_shards, dict(self.ref_model.parameters_and_names()))
+        return {"sync_s": train.seconds + infer.seconds, "sync_received_bytes": infer.received_bytes}
+
+    # ------------------------------------------------------------------------------- rollout
+    def _rollout(self, batch) -> tuple[list, list, dict]:
+        cfg, n = self.config, self.config.samples_per_prompt
+        prompts = [self.tokenizer.encode(p.text) for _, p in batch for _ in range(n)]
+        requests = [Request(r, tuple(prompts[r]), (cfg.seed, self.step_count, r), cfg.max_new_tokens)
+                    for r in range(len(prompts))]  # fmt: skip
+        predicted = [self.length_memory.get(str(idx), cfg.max_new_tokens) for idx, _ in batch for _ in range(n)]
+        instances = self.world * cfg.rollout_instances
+        assignment = split(cfg.rollout_strategy, len(batch), n, instances, predicted)
+        per_batch = -(-len(requests) // instances)
+        mine, times = [], []
+        for k in range(self.rank * cfg.rollout_instances, (self.rank + 1) * cfg.rollout_instances):
+            start = time.perf_counter()
+            kwargs = {"batch": per_batch} if isinstance(self.engine, EmbeddedEngine) else {}
+            mine.append(self.engine.generate([requests[r] for r in assignment.instances[k]], **kwargs))
+            times.append(time.perf_counter() - start)
+        gathered = all_gather_objects(self.group, [_encode(c) for out in mine for c in out])
+        flat = [_decode(a) for rank_rows in gathered for a in rank_rows]
+        per_instance, i = [], 0
+        for inst in assignment.instances:
+            per_instance.append(flat[i : i + len(inst)])
+            i += len(inst)
+        completions = assignment.restore(per_instance)
+        inst_times = np.zeros(self.world * cfg.rollout_instances)
+        inst_times[self.rank * cfg.rollout_instances : (self.rank + 1) * cfg.rollout_instances] = times
+        self.group.all_reduce(inst_times)
+        return prompts, completions, {"rollout_makespan_s": float(inst_times.max()),
+                                      "rollout_sum_s": float(inst_times.sum())}  # fmt: skip
+
+    # ------------------------------------------------------------------------------- one step
+    def step(self) -> dict:
+        """Run one GRPO step; returns its metrics."""
+        cfg, t0 = self.config, time.perf_counter()
+        batch = self.stream.next(cfg.prompts_per_step)
+        prompts, completions, metrics = self._rollout(batch)
+        rewards = [self.task.reward(p, c.tokens) for (_, p), c in zip(_repeat(batch, cfg.samples_per_prompt),
+                                                                       completions)]  # fmt: skip
+        exp = make_experience(prompts, completions, rewards, cfg.samples_per_prompt)
+        self._remember_lengths(batch, exp)
+        t_train = time.perf_counter()
+        total = len(exp.sequences)
+        size = total // cfg.updates_per_rollout
+        width = (cfg.max_pack_len if cfg.packing else max(len(p) for p in prompts) + cfg.max_new_tokens) if cfg.jit \
+            else None  # fmt: skip
+        plans, pack_stats = [], {"packs": 0, "pack_lower_bound": 0, "row_tokens": 0, "pad_tokens": 0}
+        for u in range(cfg.updates_per_rollout):
+            samples = range(u * size, (u + 1) * size)
+            mbs, stats = micro_batches(exp, samples, self.rank, self.world, cfg.packing, cfg.max_pack_len,
+                                       cfg.max_pack_count, cfg.micro_batch_size, width)  # fmt: skip
+            for k in pack_stats:
+                pack_stats[k] += stats[k]
+            # old-policy and reference log-probs, before any update of this rollout
+            olds = [self.policy.logprobs(mb.rows) for mb in mbs]
+            refs = [self.reference.logprobs(mb.rows) for mb in mbs]
+            plans.append((samples, mbs, olds, refs))
+        mismatch = self._mismatch(exp, plans)
+        sums = np.zeros(4)
+        for samples, mbs, olds, refs in plans:
+            sums += self._update(exp, samples, mbs, olds, refs)
+        train_s = time.perf_counter() - t_train
+        ref_sync = bool(cfg.ref_sync_every) and (self.step_count + 1) % cfg.ref_sync_every == 0
+        if ref_sync:
+            self.ref_shards = {n: p.asnumpy().copy() for n, p in self.master.items()}
+        sync = self._sync_all(ref=ref_sync)
+        self.step_count += 1
+        tokens = int(sum(len(s) for s in exp.sequences))
+        loss_tokens = max(int(exp.response_lens.sum()), 1)
+        metrics.update(
+            step=self.step_count,
+            reward=float(exp.rewards.mean()),
+            accuracy=float((exp.rewards == 1.0).mean()),
+            loss=sums[0] / cfg.updates_per_rollout,
+            pg=sums[1] / cfg.updates_per_rollout,
+            kl=sums[2] / cfg.updates_per_rollout,
+            clip_frac=sums[3] / loss_tokens / cfg.updates_per_rollout,
+            response_len=float(exp.response_lens.mean()),
+            train_s=train_s,
+            train_tokens_per_s=tokens / train_s,
+            step_s=time.perf_counter() - t0,
+            tokens_per_s=tokens / (time.perf_counter() - t0),
+            infer_train_logprob_maxdiff=mismatch,
+            **pack_stats,
+            **sync,
+        )
+        self.history.append(metrics)
+        return metrics
+
+    def _update(self, exp, samples, mbs, olds, refs) -> np.ndarray:
+        cfg = self.config
+        weights = weights_for(exp, samples, cfg.loss_aggregation)
+        acc = [np.zeros(p.shape, np.float32) for p in self.policy.params]
+        stats = np.zeros(4)
+        for mb, old, ref in zip(mbs, olds, refs):
+            w = [row_weights(r, weights) for r in mb.rows]
+            s, grads = self.policy.loss_and_grads(mb.rows, w, exp.advantages, list(old), list(ref))
+            stats += s
+            for a, g in zip(acc, grads):
+                a += g
+        flat = np.concatenate([a.reshape(-1) for a in acc] + [stats.astype(np.float32)])
+        self.group.all_reduce(flat)  # SUM: the weights already hold the global 1/|s| and 1/S factors
+        grads, offset = [], 0
+        for a in acc:
+            grads.append(flat[offset : offset + a.size].reshape(a.shape))
+            offset += a.size
+        stats = flat[offset:].astype(np.float64)
+        if cfg.max_grad_norm > 0:
+            norm = float(np.sqrt(sum(float(np.dot(g.reshape(-1).astype(np.float64), g.reshape(-1))) for g in grads)))
+            scale = min(1.0, cfg.max_grad_norm / (norm + 1e-6))
+            grads = [g * np.float32(scale) for g in grads] if scale < 1.0 else grads
+        Tensor = self._ms.Tensor
+        self.optimizer(tuple(Tensor(np.ascontiguousarray(g[self.sync.master_slice(n)]))
+                             for n, g in zip(self.trainable, grads)))  # fmt: skip
+        self.sync.run(self.master, dict(self.model.parameters_and_names()))
+        return stats
+
+    def _mismatch(self, exp, plans) -> float:
+        """Largest |rollout log-prob - training log-prob| over this rank's tokens (should be ~1e-6:
+        both models hold the same weights; a sync bug shows up here first)."""
+        worst = 0.0
+        for _, mbs, olds, _ in plans:
+            for mb, old in zip(mbs, olds):
+                for row, lp in zip(mb.rows, old):
+                    mask = row.sample_of >= 0
+                    if mask.any():
+                        got = response_values(row, exp.rollout_logprobs)[mask]
+                        worst = max(worst, float(np.abs(got - lp[mask]).max()))
+        out = np.array([worst])
+        self.group.all_reduce(out, op="max")
+        return float(out[0])
+
+    def _remember_lengths(self, batch, exp) -> None:
+        n = self.config.samples_per_prompt
+        for g, (idx, _) in enumerate(batch):
+            self.length_memory[str(idx)] = float(exp.response_lens[g * n : (g + 1) * n].mean())
+
+    # ------------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, directory: str | None = None) -> str:
+        """Write a checkpoint of the current step (collective over the ranks)."""
+        directory = directory or self.config.checkpoint_dir
+        if not directory:
+            raise RLHFError("no checkpoint directory: set checkpoint_dir in the config")
+        arrays = {f"master.{n}": p.asnumpy() for n, p in self.master.items()}
+        arrays.update({f"ref.{n}": a for n, a in self.ref_shards.items()})
+        arrays.update({f"optim.{n}": p.asnumpy() for n, p in self.optimizer.parameters_and_names()
+                       if not n.startswith("master.")})  # fmt: skip
+        state = None
+        if self.rank == 0:
+            np_state = np.random.get_state()
+            state = {
+                "step": self.step_count,
+                "config": self.config.to_dict(),
+                "stream": self.stream.state(),
+                "numpy_global_rng": [np_state[0], np_state[1].tolist(), *map(float, np_state[2:])],
+                "mindspore_rng": self._ms.get_rng_state().asnumpy().tolist(),
+                "length_memory": self.length_memory,
+                "history": self.history,
+            }
+        return checkpoint.save(directory, self.step_count, arrays, state, self.group, self.config.keep_checkpoints)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore a checkpoint written by save_checkpoint with the same number of ranks, then
+        reshard the restored weights into the training, rollout and reference models."""
+        Tensor = self._ms.Tensor
+        arrays, state = checkpoint.load(path, int(self.group.ranks[self.rank]), self.world)
+        for n, p in self.master.items():
+            p.copy_(Tensor(arrays[f"master.{n}"]))
+        self.ref_shards = {n: arrays[f"ref.{n}"].copy() for n in self.master}
+        for n, p in self.optimizer.parameters_and_names():
+            if not n.startswith("master."):
+                p.copy_(Tensor(arrays[f"optim.{n}"]))
+        self.step_count = int(state["step"])
+        self.stream.load_state(state["stream"])
+        kind, keys, pos, has_gauss, cached = state["numpy_global_rng"]
+        np.random.set_state((kind, np.asarray(keys, np.uint32), int(pos), int(has_gauss), float(cached)))
+        self._ms.set_rng_state(Tensor(np.asarray(state["mindspore_rng"], np.uint8)))
+        self.length_memory = dict(state["length_memory"])
+        self.history = list(state["history"])
+        self.last_sync = self._sync_all(ref=True)
+
+
+def _repeat(batch, n):
+    return [b for b in batch for _ in range(n)]
+
+
+def _encode(c: Completion) -> np.ndarray:
+    bits = np.asarray(c.logprobs, np.float32).view(np.int32).astype(np.int64)
+    return np.array([c.request_id, len(c.tokens), *c.tokens, *bits], np.int64)
+
+
+def _decode(a: np.ndarray) -> Completion:
+    n = int(a[1])
+    bits = a[2 + n : 2 + 2 * n].astype(np.int32).view(np.float32)
+    return Completion(int(a[0]), [int(t) for t in a[2 : 2 + n]], [float(x) for x in bits])

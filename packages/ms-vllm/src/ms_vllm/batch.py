@@ -35,6 +35,8 @@ class RequestState:
     """Tokens generated so far."""
     generator: np.random.Generator | None = None
     """Per-request generator for seeded sampling."""
+    lora_id: int = 0
+    """vLLM's lora_int_id of the request's adapter (0: the base model)."""
 
     @property
     def num_tokens(self) -> int:

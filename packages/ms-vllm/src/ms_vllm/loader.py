@@ -13,7 +13,15 @@ def load_ms_model(vllm_config):
 
     model_config = vllm_config.model_config
     path = model_config.model
-    model = ms_models.from_pretrained(path)
+    method = model_config.quantization
+    if method:
+        from .quant import METHODS, load_quantized
+
+        if method not in METHODS:
+            raise ValueError(f"quantization={method!r}; ms-vllm loads {METHODS} (made by `ms-vllm quantize`)")
+        model = load_quantized(path, method)
+    else:
+        model = ms_models.from_pretrained(path)
     model.set_train(False)
     if str(model_config.dtype) not in ("torch.float32", "float32"):
         # bf16 matmuls have no MindSpore CPU kernel; the weights were read as float32.

@@ -43,13 +43,14 @@ def _stops(state: RequestState, token: int, max_model_len: int) -> bool:
 class MindSporeModelRunner:
     """Request states, the paged KV cache and the step loop of one worker."""
 
-    def __init__(self, vllm_config, model, multi_step: int = 1, drafter=None):
+    def __init__(self, vllm_config, model, multi_step: int = 1, drafter=None, lora=None):
         self.vllm_config = vllm_config
         self.model = model
         self.block_size = vllm_config.cache_config.block_size
         self.max_model_len = vllm_config.model_config.max_model_len
         self.multi_step = multi_step
         self.drafter = drafter
+        self.lora = lora
         self.requests: dict[str, RequestState] = {}
         self.kv_caches: list | None = None
         self.shared_rng = np.random.default_rng(vllm_config.model_config.seed or 0)
@@ -86,7 +87,12 @@ class MindSporeModelRunner:
                 block_ids=list(new.block_ids[0]),
                 num_computed_tokens=new.num_computed_tokens,
                 generator=np.random.default_rng(seed) if seed is not None else None,
+                lora_id=0 if new.lora_request is None else new.lora_request.lora_int_id,
             )
+            if new.lora_request is not None:
+                if self.lora is None:
+                    raise RuntimeError("a LoRA request reached an engine started without enable_lora")
+                self.lora.add(new.lora_request)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             st = self.requests[req_id]
@@ -114,6 +120,10 @@ class MindSporeModelRunner:
             self.block_size,
         )
         ids, pos = Tensor(batch.input_ids), Tensor(batch.positions)
+        if self.lora is not None:
+            per_req = [self.requests[r].lora_id for r in batch.req_ids]
+            rows = np.repeat(per_req, np.diff(batch.query_start_loc))
+            self.lora.set_batch(np.pad(rows, (0, len(batch.input_ids) - len(rows))))
         self.stats["forwards"] += 1
         return self.model.model.forward_paged(ids, pos, self.kv_caches, meta)
 

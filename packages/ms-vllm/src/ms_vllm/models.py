@@ -23,7 +23,7 @@ ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "DeepseekV3ForCausalLM"
 class MindSporeCausalLM(nn.Module):
     """A vLLM-facing wrapper around an ms_models causal LM (MindSpore, float32)."""
 
-    supports_lora: ClassVar[bool] = False  # LoRA is not served yet (the platform refuses enable_lora)
+    supports_lora: ClassVar[bool] = True  # applied by ms_vllm.lora
     supports_pp: ClassVar[bool] = False
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = {}
     embedding_modules: ClassVar[dict[str, str]] = {}
@@ -79,6 +79,9 @@ def register_models() -> None:
 
     for arch, cls in _CLASSES.items():
         ModelRegistry.register_model(arch, cls)
+    from .quant import register_vllm_quantization
+
+    register_vllm_quantization()
 
 
 def resolve_model_class(model_config) -> type[MindSporeCausalLM]:

@@ -61,7 +61,7 @@ class MindSporePlatform(Platform):
     ray_device_key = ""
     simple_compile_backend = "eager"
     dist_backend = "gloo"
-    supported_quantization: list[str] = []
+    supported_quantization: list[str] = ["ms_w8a8", "ms_w4a16"]
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
@@ -104,7 +104,7 @@ class MindSporePlatform(Platform):
 
     @classmethod
     def get_punica_wrapper(cls) -> str:
-        # LoRA is refused in check_and_update_config; vLLM's CPU wrapper names a valid class meanwhile.
+        # LoRA is applied by ms_vllm.lora inside the MindSpore model; vLLM's punica kernels are unused.
         return "vllm.lora.punica_wrapper.punica_cpu.PunicaWrapperCPU"
 
     @classmethod
@@ -121,10 +121,6 @@ class MindSporePlatform(Platform):
                 f"ms-vllm runs one worker process; tensor_parallel_size={parallel.tensor_parallel_size}, "
                 f"pipeline_parallel_size={parallel.pipeline_parallel_size} are not supported yet"
             )
-        if vllm_config.lora_config is not None:
-            raise NotImplementedError("ms-vllm does not serve LoRA adapters yet (enable_lora)")
-        if vllm_config.model_config is not None and vllm_config.model_config.quantization:
-            raise NotImplementedError(f"quantization={vllm_config.model_config.quantization!r} is not supported yet")
         compilation = vllm_config.compilation_config
         compilation.mode = CompilationMode.NONE
         compilation.cudagraph_capture_sizes = []

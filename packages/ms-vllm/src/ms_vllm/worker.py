@@ -57,8 +57,14 @@ class MindSporeWorker(WorkerBase):
             from .spec_decode import MTPDrafter
 
             drafter = MTPDrafter(model, spec)
+        lora = None
+        if self.vllm_config.lora_config is not None:
+            from .lora import LoRAManager
+
+            cfg = self.vllm_config.lora_config
+            lora = LoRAManager(model, cfg.max_loras, cfg.max_lora_rank)
         self.runner = MindSporeModelRunner(
-            self.vllm_config, model, multi_step_from(self.vllm_config), drafter=drafter
+            self.vllm_config, model, multi_step_from(self.vllm_config), drafter=drafter, lora=lora
         )
         self.model_wrapper = wrapper
 
@@ -127,6 +133,24 @@ class MindSporeWorker(WorkerBase):
     def ms_vllm_stats(self) -> dict:
         """The runner's counters (for tests and benchmarks: `llm.collective_rpc("ms_vllm_stats")`)."""
         return dict(self.runner.stats)
+
+    # ------------------------------------------------------------------ LoRA
+    def add_lora(self, lora_request) -> bool:
+        return self._lora().add(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._lora().remove(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return lora_id in self._lora().list()
+
+    def list_loras(self) -> set[int]:
+        return self._lora().list()
+
+    def _lora(self):
+        if self.runner is None or self.runner.lora is None:
+            raise RuntimeError("LoRA is not enabled: start the engine with enable_lora=True")
+        return self.runner.lora
 
     def shutdown(self) -> None:
         self.runner = None

@@ -1,0 +1,273 @@
+"""W8A8 static and W4A16 weight quantization: the checkpoint format, the quantizer, the MindSpore layers.
+
+Formats (an HF directory whose config.json carries `quantization_config.quant_method`):
+
+* `ms_w8a8` (W8A8 static, as vllm-ascend's w8a8_static): per linear layer `weight` int8 [out, in]
+  (symmetric, per output channel), `weight_scale` float32 [out], `input_scale` float32 [1] (one
+  per-tensor activation scale from calibration). At run time x is quantized with input_scale,
+  multiplied in int32 (MindSpore's CPU int8 matmul wraps around in int8) and rescaled by
+  input_scale * weight_scale.
+* `ms_w4a16` (W4A16, LLM-Compressor's packed layout): `weight_packed` int32 [out, in / 8] (eight
+  signed 4-bit values per int32, low nibble first), `weight_scale` float32 [out, in / group_size]
+  (symmetric, per group), `weight_shape` int32 [2]. Activations stay float; the weight is unpacked
+  to int8 once at load and dequantized per group in the matmul.
+
+Quantized layers: every `Linear` of the decoder layers except MLA's `kv_b_proj` (absorbed
+attention reads its weight directly) and the stacked routed experts; embeddings, norms, the router
+and the LM head stay float. `quantize_checkpoint` runs the float model on calibration prompts to
+record each layer's input absolute maximum (forward pre-hooks, PyNative) and writes the directory
+atomically (temporary name, then rename).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import numpy as np
+from mindspore import Tensor, nn, ops
+from mindspore import dtype as mstype
+
+METHODS = ("ms_w8a8", "ms_w4a16")
+SKIPPED = ("kv_b_proj",)
+
+
+class QuantError(ValueError):
+    """A checkpoint or request that cannot be quantized or loaded as quantized."""
+
+
+# ------------------------------------------------------------------ math (numpy)
+def quantize_w8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 per output channel: (q [out, in] int8, scale [out])."""
+    scale = np.maximum(np.abs(w).max(1), 1e-12) / 127.0
+    return np.clip(np.round(w / scale[:, None]), -127, 127).astype(np.int8), scale.astype(np.float32)
+
+
+def quantize_w4(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int4 per group of `group` input columns: (q [out, in] in [-8, 7] as int8, scale [out, in/group])."""
+    out_f, in_f = w.shape
+    if in_f % group or in_f % 8:
+        raise QuantError(f"in_features={in_f} must be a multiple of group_size={group} and of 8")
+    g = w.reshape(out_f, in_f // group, group)
+    scale = np.maximum(np.abs(g).max(-1), 1e-12) / 7.0
+    q = np.clip(np.round(g / scale[..., None]), -8, 7).astype(np.int8).reshape(out_f, in_f)
+    return q, scale.astype(np.float32)
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """[out, in] int4 values (int8 in [-8, 7]) -> [out, in / 8] int32, value j in bits 4j..4j+3."""
+    nibbles = (q.astype(np.int64) & 0xF).reshape(q.shape[0], -1, 8)
+    packed = (nibbles << (4 * np.arange(8))).sum(-1)
+    return packed.astype(np.uint32).view(np.int32)
+
+
+def unpack_int4(packed: np.ndarray) -> np.ndarray:
+    """Inverse of pack_int4: [out, in / 8] int32 -> [out, in] int8."""
+    u = packed.view(np.uint32).astype(np.int64)[..., None] >> (4 * np.arange(8))
+    nibbles = (u & 0xF).astype(np.int8)
+    return np.where(nibbles > 7, nibbles - 16, nibbles).astype(np.int8).reshape(packed.shape[0], -1)
+
+
+# ------------------------------------------------------------------ MindSpore layers
+class W8A8Linear(nn.Cell):
+    """int8 weight per channel, int8 activation with a static per-tensor scale, int32 accumulation."""
+
+    def __init__(self, weight: np.ndarray, weight_scale: np.ndarray, input_scale: float, bias=None):
+        super().__init__()
+        self.weight_q = Tensor(weight.astype(np.int32))  # int32: CPU int8 matmul wraps in int8
+        self.weight_int8_bytes = weight.size
+        self.input_scale = float(input_scale)
+        self.dequant = Tensor((weight_scale * input_scale).astype(np.float32))
+        self.bias = None if bias is None else Tensor(np.asarray(bias, np.float32))
+
+    def construct(self, x):
+        xq = ops.clip_by_value(ops.round(x / self.input_scale), Tensor(-128.0), Tensor(127.0)).astype(mstype.int32)
+        y = ops.matmul(xq, self.weight_q.T).astype(mstype.float32) * self.dequant
+        return y if self.bias is None else y + self.bias
+
+
+class W4A16Linear(nn.Cell):
+    """int4 weight in groups (held unpacked as int8), float activations."""
+
+    def __init__(self, packed: np.ndarray, scale: np.ndarray, group: int, bias=None):
+        super().__init__()
+        q = unpack_int4(packed)
+        self.out_f, self.in_f, self.group = q.shape[0], q.shape[1], group
+        self.q = Tensor(q.reshape(self.out_f, self.in_f // group, group))
+        self.scale = Tensor(np.asarray(scale, np.float32)[..., None])
+        self.packed_bytes = packed.nbytes + scale.size * 4
+        self.bias = None if bias is None else Tensor(np.asarray(bias, np.float32))
+
+    def construct(self, x):
+        w = (self.q.astype(mstype.float32) * self.scale).reshape(self.out_f, self.in_f)
+        y = ops.matmul(x, w.T)
+        return y if self.bias is None else y + self.bias
+
+
+# ------------------------------------------------------------------ which layers
+def quantizable(model) -> dict[str, nn.Cell]:
+    """name -> Linear cell of every layer the formats quantize."""
+    out = {}
+    for name, cell in model.cells_and_names():
+        if not name.startswith(("model.layers.", "model.mtp_layers.")) or name.endswith(SKIPPED):
+            continue
+        if type(cell).__name__ == "Linear":
+            out[name] = cell
+    return out
+
+
+def calibrate(model, prompts: list[list[int]]) -> dict[str, float]:
+    """Input absolute maximum of every quantizable layer over the calibration prompts."""
+    stats: dict[str, float] = {}
+    handles = []
+    for name, cell in quantizable(model).items():
+
+        def hook(cell, inputs, name=name):
+            stats[name] = max(stats.get(name, 0.0), float(np.abs(inputs[0].asnumpy()).max()))
+
+        handles.append(cell.register_forward_pre_hook(hook))
+    try:
+        for p in prompts:
+            model(Tensor(np.asarray([p], np.int32))).asnumpy()
+    finally:
+        for h in handles:
+            h.remove()
+    return stats
+
+
+def quantize_checkpoint(src: str, dst: str, method: str, prompts: list[list[int]], group_size: int = 32) -> dict:
+    """Quantize the float HF directory `src` into `dst`; returns a summary (layers, bytes)."""
+    import ms_models
+    from safetensors.numpy import save_file
+
+    if method not in METHODS:
+        raise QuantError(f"method {method!r}; expected one of {METHODS}")
+    if method == "ms_w8a8" and not prompts:
+        raise QuantError("W8A8 static needs calibration prompts for its activation scales")
+    model = ms_models.from_pretrained(src)
+    tensors = ms_models.hf_state_dict(model)
+    amax = calibrate(model, prompts) if method == "ms_w8a8" else {}
+    float_bytes = quant_bytes = 0
+    for name, cell in quantizable(model).items():
+        w = tensors.pop(f"{name}.weight")
+        float_bytes += w.nbytes
+        if method == "ms_w8a8":
+            q, s = quantize_w8(w)
+            tensors.update({f"{name}.weight": q, f"{name}.weight_scale": s})
+            tensors[f"{name}.input_scale"] = np.array([max(amax.get(name, 1.0), 1e-8) / 127.0], np.float32)
+            quant_bytes += q.nbytes + s.nbytes + 4
+        else:
+            q, s = quantize_w4(w, group_size)
+            packed = pack_int4(q)
+            tensors.update({f"{name}.weight_packed": packed, f"{name}.weight_scale": s})
+            tensors[f"{name}.weight_shape"] = np.array(w.shape, np.int32)
+            quant_bytes += packed.nbytes + s.nbytes + 8
+    config = json.load(open(os.path.join(src, "config.json")))
+    config["quantization_config"] = {"quant_method": method, "group_size": group_size}
+    parent = os.path.dirname(os.path.abspath(dst)) or "."
+    tmp = tempfile.mkdtemp(prefix=".quant-", dir=parent)
+    try:
+        for f in os.listdir(src):
+            if f.startswith("tokenizer") or f == "special_tokens_map.json":
+                shutil.copy(os.path.join(src, f), tmp)
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(tmp, "model.safetensors"))
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        if os.path.exists(dst):
+            shutil.rmtree(dst)
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    layers = len(quantizable(model))
+    return {"method": method, "layers": layers, "float_bytes": float_bytes, "quantized_bytes": quant_bytes}
+
+
+def load_quantized(path: str, method: str):
+    """An ms_models model whose quantizable layers are W8A8Linear / W4A16Linear from `path`."""
+    import ms_models
+    from safetensors.numpy import load_file
+
+    config = ms_models.load_config(path)
+    model = ms_models.from_config(config, seed=0)
+    raw = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            raw.update(load_file(os.path.join(path, f)))
+    group = int(json.load(open(os.path.join(path, "config.json")))["quantization_config"].get("group_size", 32))
+    cells = dict(model.cells_and_names())
+    replaced = {}
+    for name, cell in quantizable(model).items():
+        bias = raw.pop(f"{name}.bias", None)
+        if method == "ms_w8a8":
+            w, s = raw.pop(f"{name}.weight"), raw.pop(f"{name}.weight_scale")
+            layer = W8A8Linear(w, s, raw.pop(f"{name}.input_scale")[0], bias)
+        else:
+            raw.pop(f"{name}.weight_shape", None)
+            layer = W4A16Linear(raw.pop(f"{name}.weight_packed"), raw.pop(f"{name}.weight_scale"), group, bias)
+        parent, _, leaf = name.rpartition(".")
+        replaced[(parent, leaf)] = layer
+    for (parent, leaf), layer in replaced.items():
+        setattr(cells[parent], leaf, layer)
+    ms_models.load_state_dict(model, {k: v.astype(np.float32) for k, v in raw.items()}, strict=False)
+    return model
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the weights in their stored format: int8 + scales (W8A8), packed int4 + group scales
+    (W4A16), float32 for everything else."""
+    total = 0
+    for name, cell in model.cells_and_names():
+        if isinstance(cell, W8A8Linear):
+            total += cell.weight_int8_bytes + 4 * cell.dequant.shape[0]
+        elif isinstance(cell, W4A16Linear):
+            total += cell.packed_bytes
+    for name, p in model.parameters_and_names():
+        total += 4 * int(np.prod(p.shape))
+    return total
+
+
+def register_vllm_quantization() -> None:
+    """Make vLLM accept `quantization="ms_w8a8" / "ms_w4a16"` (and read it from config.json).
+
+    The configs only carry the method name to the worker: the MindSpore layers above do the work,
+    so no torch quantization method is ever built."""
+    from vllm.model_executor.layers.quantization import register_quantization_config
+    from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
+    for method in METHODS:
+
+        class _Config(QuantizationConfig):
+            name = method
+
+            def __init__(self, group_size: int = 32):
+                super().__init__()
+                self.group_size = group_size
+
+            def get_name(self):
+                return self.name
+
+            def get_supported_act_dtypes(self):
+                import torch
+
+                return [torch.float32]
+
+            @classmethod
+            def get_min_capability(cls) -> int:
+                return 0
+
+            @staticmethod
+            def get_config_filenames() -> list[str]:
+                return []
+
+            @classmethod
+            def from_config(cls, config: dict):
+                return cls(int(config.get("group_size", 32)))
+
+            def get_quant_method(self, layer, prefix):
+                return None
+
+        _Config.__name__ = f"MsQuantConfig_{method}"
+        register_quantization_config(method)(_Config)

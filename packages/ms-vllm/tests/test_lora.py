@@ -1,0 +1,102 @@
+"""Multi-LoRA from PEFT-format directories: one batch mixing two adapters and the base model gives
+the tokens of each adapter merged into the weights (W + alpha / r * B A)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import close_llm, make_llm, token_prompts
+
+pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch]
+
+TARGETS = ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
+PROMPT = [0, 60, 61, 62, 63, 64]
+
+
+def write_adapter(directory, model, seed, rank=4, alpha=8.0):
+    """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) for `model`."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    shapes = {n: tuple(p.shape) for n, p in model.parameters_and_names()}
+    tensors = {}
+    for layer in range(model.config.num_hidden_layers):
+        for target in TARGETS:
+            module = f"model.layers.{layer}.{target}"
+            out_f, in_f = shapes[module + ".weight"]
+            tensors[f"base_model.model.{module}.lora_A.weight"] = rng.normal(0, 0.3, (rank, in_f)).astype(np.float32)
+            tensors[f"base_model.model.{module}.lora_B.weight"] = rng.normal(0, 0.3, (out_f, rank)).astype(np.float32)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    return tensors, alpha / rank
+
+
+def merged_reference(path, tensors, scale, n):
+    """Greedy tokens of the model with the adapter merged into its weights."""
+    import mindspore as ms
+    from ms_models import from_pretrained, generate_greedy_recompute
+
+    model = from_pretrained(path)
+    params = dict(model.parameters_and_names())
+    for key, a in tensors.items():
+        if ".lora_A." not in key:
+            continue
+        module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+        b = tensors[key.replace("lora_A", "lora_B")]
+        weight = params[module + ".weight"]
+        weight.set_data(ms.Tensor(weight.asnumpy() + scale * b @ a))
+    return generate_greedy_recompute(model, PROMPT, n)
+
+
+def test_mixed_adapters_equal_merged_weights(tiny_dirs, reference, tmp_path):
+    import mindspore as ms
+    from ms_models import from_pretrained
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    ms.set_device("CPU")
+    path = tiny_dirs["llama"]
+    base = from_pretrained(path)
+    t1, s1 = write_adapter(tmp_path / "a1", base, seed=1)
+    t2, s2 = write_adapter(tmp_path / "a2", base, seed=2, rank=2, alpha=4.0)
+    expect = [merged_reference(path, t1, s1, 5), merged_reference(path, t2, s2, 5), reference("llama", PROMPT, 5)]
+    assert expect[0] != expect[2] and expect[1] != expect[2]  # the adapters do change the tokens
+
+    llm = make_llm(path, enable_lora=True, max_loras=2, max_lora_rank=8)
+    try:
+        requests = [LoRARequest("a1", 1, str(tmp_path / "a1")), LoRARequest("a2", 2, str(tmp_path / "a2")), None]
+        outs = llm.generate(
+            token_prompts([PROMPT] * 3),
+            SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+            lora_request=requests,
+            use_tqdm=False,
+        )
+    finally:
+        close_llm(llm)
+    assert [list(o.outputs[0].token_ids) for o in outs] == expect
+
+
+def test_bad_adapter_is_refused(tmp_path, tiny_dirs):
+    import mindspore as ms
+    from ms_models import from_pretrained
+
+    from ms_vllm.lora import LoRAError, LoRAManager
+
+    ms.set_device("CPU")
+    model = from_pretrained(tiny_dirs["llama"])
+    manager = LoRAManager(model, max_loras=1, max_rank=2)
+    write_adapter(tmp_path / "big", model, seed=3, rank=4)
+
+    class Req:
+        lora_int_id, lora_name, lora_path = 1, "big", str(tmp_path / "big")
+
+    with pytest.raises(LoRAError, match="max_lora_rank=2"):
+        manager.add(Req)
+    Req.lora_path = str(tmp_path / "missing")
+    with pytest.raises(LoRAError, match="not a PEFT adapter directory"):
+        manager.add(Req)
+    assert manager.list() == set()

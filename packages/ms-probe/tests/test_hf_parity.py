@@ -59,21 +59,18 @@ def golden(tiny_llama, tmp_path_factory):
     return {task: dump_hf(root / task, tiny_llama, task) for task in ("statistics", "tensor")}
 
 
-EXPECTED_UNMATCHED = {
-    "Cell.model.DecoderModel.backward.0"
-}  # HF's LlamaModel returns a ModelOutput: torch runs no backward hook
-
-
 @pytest.mark.parametrize("task", ["statistics", "tensor"])
 def test_same_weights_every_module_passes(task, tiny_llama, golden, tmp_path):
     target = dump_ms(tmp_path / "ms", tiny_llama, task)
     rc = compare_dirs(target, golden[task], load_mapping("ms-models-hf")).ranks[0]
     assert rc.mode == task and rc.first_divergence is None and not rc.problems
     results = {m.name: m.result for m in rc.modules}
-    assert {n for n, r in results.items() if r == "unmatched"} == EXPECTED_UNMATCHED
     assert [n for n, r in results.items() if r == "skipped"] == ["Cell.model.rotary_emb.RotaryEmbedding.forward.0"]
     passed = [n for n, r in results.items() if r == "pass"]
-    assert len(passed) == len(results) - 2 and len(passed) > 70  # forward, backward and parameter gradients
+    assert len(passed) == len(results) - 1 and len(passed) > 70  # forward, backward and parameter gradients
+    # HF's LlamaModel returns a ModelOutput, for which torch runs no backward hook: its gradient
+    # w.r.t. the output comes from a tensor hook instead, and still meets MindSpore's.
+    assert results["Cell.model.DecoderModel.backward.0"] == "pass"
     # Golden-only items are exactly the ones the mapping explains.
     assert all(reason.startswith("HF") for _, reason in rc.golden_only)
     matched = [r for r in rc.rows if r.golden and r.target]
@@ -155,8 +152,7 @@ def test_deepseek_v3_mla_and_moe(tmp_path):
         rc = compare_dirs(str(tmp_path / f"ms_{bug}"), str(tmp_path / "hf"), mapping).ranks[0]
         if bug is None:
             assert rc.first_divergence is None and not rc.problems
-            assert {m.result for m in rc.modules} == {"pass", "skipped", "unmatched"}
-            assert [m.name for m in rc.modules if m.result == "unmatched"] == ["Cell.model.DeepseekV3Model.backward.0"]
+            assert {m.result for m in rc.modules} == {"pass", "skipped"}
             # MLA's kv_b_proj gradients differ only by HF's size-1 head axis: compared flat.
             assert any("hold the same data" in r.message for r in rc.rows)
         else:

@@ -35,6 +35,23 @@ def _worth_a_row(name: str, out: Any, adapter: TorchAdapter) -> bool:
     return adapter.is_tensor(out)
 
 
+def _tensor_leaves(x: Any, tensor_type: type) -> list[Any]:
+    if isinstance(x, tensor_type):
+        return [x]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensor_leaves(v, tensor_type)]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensor_leaves(v, tensor_type)]
+    return []
+
+
+def _hookable_output(out: Any, tensor_type: type) -> bool:
+    """Whether torch's full backward hook will see this output (a tensor or a plain tuple of them)."""
+    if isinstance(out, tensor_type):
+        return True
+    return type(out) in (tuple, list) and all(isinstance(o, tensor_type) or o is None for o in out)
+
+
 class TorchAdapter:
     """PyTorch tensors for the Recorder."""
 
@@ -101,6 +118,9 @@ class TorchDumper:
         self.jit_cells: list[str] = []
         self._local = threading.local()
         self._mode = None
+        import torch
+
+        self.torch_tensor = torch.Tensor
         self._filters: list[tuple] = []
 
     def attach(self) -> None:
@@ -135,6 +155,8 @@ class TorchDumper:
 
         def post(m, args, out):
             self._guarded(rec.forward_post, path, out, own_params)
+            if rec.active and not _hookable_output(out, self.torch_tensor):
+                self._output_grad_hooks(out, path, cls, parent)
 
         def bwd(m, grad_input, grad_output):
             self._guarded(rec.backward, path, cls, grad_input, grad_output, parent)
@@ -145,6 +167,29 @@ class TorchDumper:
         for pname, param in own_params:
             if param.requires_grad:
                 self.handles.append(param.register_hook(self._grad_hook(path, cls, pname, len(own_params))))
+
+    def _output_grad_hooks(self, out: Any, path: str, cls: str, parent: tuple[str, str] | None) -> None:
+        """Torch runs no full backward hook for a module whose output is not a tensor or a tuple of
+        tensors (HF models return a ModelOutput). Its backward item then gets the gradients w.r.t. its
+        outputs (msprobe's backward `input`) from tensor hooks; the gradients w.r.t. its inputs stay
+        unknown."""
+        leaves = [t for t in _tensor_leaves(out, self.torch_tensor) if t.requires_grad]
+        if not leaves:
+            return
+        grads: list[Any] = [None] * len(leaves)
+        pending = [len(leaves)]
+
+        def make(i: int):
+            def hook(g):
+                grads[i] = g
+                pending[0] -= 1
+                if pending[0] == 0:
+                    self._guarded(self.recorder.backward, path, cls, (), tuple(grads), parent)
+
+            return hook
+
+        for i, t in enumerate(leaves):
+            t.register_hook(make(i))
 
     def _grad_hook(self, path: str, cls: str, pname: str, expected: int):
         def hook(grad):

@@ -206,6 +206,8 @@ def _choose_senders(recv: np.ndarray, chunk: np.ndarray, elems: np.ndarray, hold
     if len(recv) == 0:
         return recv.copy()
     n_chunks, replicas = holders.shape
+    if replicas == 1:  # one holder per chunk (e.g. an optimizer-sharded source): nothing to choose
+        return holders[chunk, 0]
     # Group rows by chunk, receivers in id order inside a group: rows come sorted by receiver, so
     # one stable sort on the chunk does it (a radix sort when the chunk ids fit 16 bits).
     if (np.diff(recv) >= 0).all():

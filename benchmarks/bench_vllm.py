@@ -20,7 +20,7 @@ import time
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 
 def best_of(fn, repeats):

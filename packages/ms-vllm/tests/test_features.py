@@ -28,7 +28,9 @@ def test_multi_step_decoding(tiny_dirs, reference):
         from vllm import SamplingParams
 
         stopped = llm.generate(
-            token_prompts(PROMPTS[:1]), SamplingParams(max_tokens=7, temperature=0.0, stop_token_ids=[stop_at]), use_tqdm=False
+            token_prompts(PROMPTS[:1]),
+            SamplingParams(max_tokens=7, temperature=0.0, stop_token_ids=[stop_at]),
+            use_tqdm=False,
         )[0]
         stats = llm.collective_rpc("ms_vllm_stats")[0]
     finally:

@@ -83,7 +83,6 @@ def test_mixed_adapters_equal_merged_weights(tiny_dirs, reference, tmp_path):
 def test_bad_adapter_is_refused(tmp_path, tiny_dirs):
     import mindspore as ms
     from ms_models import from_pretrained
-
     from ms_vllm.lora import LoRAError, LoRAManager
 
     ms.set_device("CPU")

@@ -18,7 +18,6 @@ BLOCKS = [3, 1, 6, 2]  # 16 positions of block size 4, not contiguous
 def runner_for(path, drafter_k=0):
     import mindspore as ms
     from ms_models import from_pretrained
-
     from ms_vllm.model_runner import MindSporeModelRunner
     from ms_vllm.spec_decode import MTPDrafter
 
@@ -28,7 +27,11 @@ def runner_for(path, drafter_k=0):
         cache_config=SimpleNamespace(block_size=4),
         model_config=SimpleNamespace(max_model_len=64, seed=0),
     )
-    drafter = MTPDrafter(model, SimpleNamespace(method="deepseek_mtp", num_speculative_tokens=drafter_k)) if drafter_k else None
+    drafter = (
+        MTPDrafter(model, SimpleNamespace(method="deepseek_mtp", num_speculative_tokens=drafter_k))
+        if drafter_k
+        else None
+    )
     runner = MindSporeModelRunner(config, model, drafter=drafter)
     runner.initialize_kv_cache(8)
     return runner, model

@@ -203,8 +203,10 @@ class MindSporeModelRunner:
 
     # ------------------------------------------------------------------ multi-step
     def _pure_decode(self, batch: StepBatch) -> bool:
-        return all(len(r) == 1 for r in batch.sample_rows) and not any(batch.spec_tokens) and (
-            len(batch.input_ids) == len(batch.req_ids)
+        return (
+            all(len(r) == 1 for r in batch.sample_rows)
+            and not any(batch.spec_tokens)
+            and (len(batch.input_ids) == len(batch.req_ids))
         )
 
     def _more_decode_steps(self, batch: StepBatch, sampled: list[list[int]], rows: list[np.ndarray]) -> None:

@@ -61,7 +61,7 @@ class MindSporePlatform(Platform):
     ray_device_key = ""
     simple_compile_backend = "eager"
     dist_backend = "gloo"
-    supported_quantization: list[str] = ["ms_w8a8", "ms_w4a16"]
+    supported_quantization: list[str] = ["ms_w8a8", "ms_w4a16"]  # noqa: RUF012 - vLLM's own attribute shape
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:

@@ -150,7 +150,7 @@ def quantize_checkpoint(src: str, dst: str, method: str, prompts: list[list[int]
     tensors = ms_models.hf_state_dict(model)
     amax = calibrate(model, prompts) if method == "ms_w8a8" else {}
     float_bytes = quant_bytes = 0
-    for name, cell in quantizable(model).items():
+    for name in quantizable(model):
         w = tensors.pop(f"{name}.weight")
         float_bytes += w.nbytes
         if method == "ms_w8a8":
@@ -199,7 +199,7 @@ def load_quantized(path: str, method: str):
     group = int(json.load(open(os.path.join(path, "config.json")))["quantization_config"].get("group_size", 32))
     cells = dict(model.cells_and_names())
     replaced = {}
-    for name, cell in quantizable(model).items():
+    for name in quantizable(model):
         bias = raw.pop(f"{name}.bias", None)
         if method == "ms_w8a8":
             w, s = raw.pop(f"{name}.weight"), raw.pop(f"{name}.weight_scale")
@@ -219,12 +219,12 @@ def weight_bytes(model) -> int:
     """Bytes of the weights in their stored format: int8 + scales (W8A8), packed int4 + group scales
     (W4A16), float32 for everything else."""
     total = 0
-    for name, cell in model.cells_and_names():
+    for _, cell in model.cells_and_names():
         if isinstance(cell, W8A8Linear):
             total += cell.weight_int8_bytes + 4 * cell.dequant.shape[0]
         elif isinstance(cell, W4A16Linear):
             total += cell.packed_bytes
-    for name, p in model.parameters_and_names():
+    for p in model.get_parameters():
         total += 4 * int(np.prod(p.shape))
     return total
 

@@ -80,7 +80,9 @@ class MindSporeWorker(WorkerBase):
         for i, shapes in enumerate(model.kv_cache_shapes(1, bs)):
             name = f"model.layers.{i}.self_attn.attn"
             if len(shapes) == 1:  # MLA: one latent cache [blocks, block_size, rank + rope]
-                out[name] = MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=shapes[0][-1], dtype=torch.float32)
+                out[name] = MLAAttentionSpec(
+                    block_size=bs, num_kv_heads=1, head_size=shapes[0][-1], dtype=torch.float32
+                )
             else:
                 _, _, heads, dim = shapes[0]
                 out[name] = FullAttentionSpec(block_size=bs, num_kv_heads=heads, head_size=dim, dtype=torch.float32)

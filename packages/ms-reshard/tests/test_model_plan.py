@@ -128,3 +128,21 @@ def test_bad_fusion_rules():
         FusionRule("qkv", ("q",))
     with pytest.raises(ReshardError, match="bad fusion rule"):
         rules_from_data([{"parts": ["a", "b"]}])
+
+
+def test_model_plan_round_trips_through_msgpack():
+    from ms_layout import dumps, loads
+
+    shapes = llama_shapes()
+    weights = random_weights(shapes, seed=5)
+    train = param_specs(shapes, ParallelConfig(dp=2, tp=2, optimizer_shard=True), num_layers=2)
+    infer = param_specs(shapes, ParallelConfig(tp=4), num_layers=2, fusions=DEFAULT_FUSIONS)
+    mp = model_plan(train, infer)
+    back = loads(dumps(mp), expect="ModelPlan")
+    assert back.src == mp.src and back.dst == mp.dst and len(back.moves) == len(mp.moves)
+    assert back.unique_plans() == mp.unique_plans()
+    a = apply_model_local(mp, _source_shards(train, weights, DEFAULT_FUSIONS))
+    b = apply_model_local(back, _source_shards(train, weights, DEFAULT_FUSIONS))
+    for name in a:
+        for rank in a[name]:
+            np.testing.assert_array_equal(a[name][rank], b[name][rank])

@@ -110,4 +110,64 @@ def plan_from_bytes(blob: bytes) -> TensorPlan:
         raise ReshardError(str(exc)) from None
 
 
-register("ReshardPlan", TensorPlan, plan_to_dict, plan_from_dict)
+def _spec_to_dict(spec) -> dict:
+    return {
+        "layout": spec.layout.to_dict(),
+        "shape": list(spec.shape),
+        "dtype": spec.dtype,
+        "parts": list(spec.parts),
+        "part_dim": spec.part_dim,
+    }
+
+
+def model_plan_to_dict(mp) -> dict:
+    """Plain data of a ModelPlan; a TensorPlan shared by several moves is stored once."""
+    index: dict[int, int] = {}
+    plans = []
+    moves = []
+    for m in mp.moves:
+        if id(m.plan) not in index:
+            index[id(m.plan)] = len(plans)
+            plans.append(plan_to_dict(m.plan))
+        moves.append([m.src_name, m.dst_name, m.dim, m.src_offset, m.dst_offset, index[id(m.plan)]])
+    return {
+        "version": PLAN_VERSION,
+        "src": {n: _spec_to_dict(s) for n, s in mp.src.items()},
+        "dst": {n: _spec_to_dict(s) for n, s in mp.dst.items()},
+        "plans": plans,
+        "moves": moves,
+        "unused": list(mp.unused),
+    }
+
+
+def model_plan_from_dict(d: Any):
+    """Inverse of model_plan_to_dict; anything malformed is a ReshardError."""
+    from .model_plan import ModelPlan, ParamSpec, PartMove
+
+    try:
+        if d["version"] > PLAN_VERSION:
+            raise ReshardError(f"model plan version {d['version']} is newer than this reader ({PLAN_VERSION})")
+
+        def spec(x: dict) -> ParamSpec:
+            layout = Layout.from_dict(x["layout"])
+            return ParamSpec(layout, tuple(x["shape"]), x["dtype"], tuple(x["parts"]), int(x["part_dim"]))
+
+        plans = [plan_from_dict(p) for p in d["plans"]]
+        moves = tuple(PartMove(a, b, int(c), int(e), int(f), plans[i]) for a, b, c, e, f, i in d["moves"])
+        src = {n: spec(x) for n, x in d["src"].items()}
+        dst = {n: spec(x) for n, x in d["dst"].items()}
+        return ModelPlan(src, dst, moves, tuple(d["unused"]))
+    except ReshardError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, LayoutError) as exc:
+        raise ReshardError(f"not a model plan ({type(exc).__name__}: {exc})") from None
+
+
+def _register() -> None:
+    from .model_plan import ModelPlan
+
+    register("ReshardPlan", TensorPlan, plan_to_dict, plan_from_dict)
+    register("ModelPlan", ModelPlan, model_plan_to_dict, model_plan_from_dict)
+
+
+_register()

@@ -59,3 +59,14 @@ def test_errors_exit_2_naming_the_problem(tmp_path, capsys):
     bad.write_text("0BW0,0F0\n1F0,1BW0\n")
     assert main(["validate", str(bad)]) == 2
     assert "0BW0 needs 0F0" in capsys.readouterr().err
+
+
+@pytest.mark.needs_mindspore
+@pytest.mark.needs_torch
+def test_run_on_two_local_ranks(capsys):
+    pytest.importorskip("mindspore")
+    assert main(["run", "--schedule", "zbh1", "--stages", "2", "--microbatches", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["matches_reference"] is True and report["max_grad_error"] <= 1e-5
+    assert report["loss"] == pytest.approx(report["reference_loss"], abs=1e-5)
+    assert 0.0 <= report["measured_bubble_rate"] < 1.0

@@ -3,8 +3,22 @@ CPU, MindSpore's HCCL on Ascend) moves activations and gradients. Imports MindSp
 
 from __future__ import annotations
 
+from .demo import ToyConfig, run_demo, run_toy, setup_cpu, toy_setup
 from .executor import PipelineRuntime, StepResult
 from .stage import Stage
 from .toy import ToyModel, reference_step, split_blocks, toy_batch
 
-__all__ = ["PipelineRuntime", "Stage", "StepResult", "ToyModel", "reference_step", "split_blocks", "toy_batch"]
+__all__ = [
+    "PipelineRuntime",
+    "Stage",
+    "StepResult",
+    "ToyConfig",
+    "ToyModel",
+    "reference_step",
+    "run_demo",
+    "run_toy",
+    "setup_cpu",
+    "split_blocks",
+    "toy_batch",
+    "toy_setup",
+]

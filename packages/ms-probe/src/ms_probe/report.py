@@ -19,14 +19,15 @@ CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:24px;color:#222;max-width:1400px}
 h1{font-size:22px;margin:0 0 4px} h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #ddd}
 .meta{color:#555;font-size:13px} table{border-collapse:collapse;font-size:12px;margin:8px 0}
-td,th{border:1px solid #ddd;padding:3px 6px;text-align:left;vertical-align:top} th{background:#f5f5f5}
+td,th{border:1px solid #ddd;padding:3px 6px;text-align:left;vertical-align:top;overflow-wrap:anywhere}
+th{background:#f5f5f5}
 .badge{display:inline-block;min-width:54px;text-align:center;border-radius:3px;color:#fff;font-size:11px;
  padding:1px 4px;margin-right:4px}
 .tree ul{list-style:none;margin:0;padding-left:18px;border-left:1px dotted #ccc} .tree li{margin:2px 0}
 .tree summary{cursor:pointer} .node{font-family:ui-monospace,Menlo,monospace;font-size:12.5px}
 .cls{color:#777} .dev{color:#555;font-size:11px;margin-left:6px}
 .first{outline:3px solid #c62828;outline-offset:2px;background:#ffebee;font-weight:600}
-.firstbox{border:2px solid #c62828;background:#fff5f5;padding:10px 14px;border-radius:6px}
+.firstbox{border:2px solid #c62828;background:#fff5f5;padding:10px 14px;border-radius:6px;overflow-x:auto}
 .okbox{border:2px solid #2e7d32;background:#f1f8e9;padding:10px 14px;border-radius:6px}
 .problems li{color:#8d6e00} pre{font-size:11px;background:#fafafa;padding:6px;overflow-x:auto}
 .legend span{margin-right:10px}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from . import checkpoint
 from .balance import karmarkar_karp, lpt, makespan, partition
 from .config import TrainConfig, load_config
 from .errors import CheckpointError, PackingError, RLHFError
@@ -50,6 +51,7 @@ __all__ = [
     "WeightSync",
     "balanced_split",
     "build_row",
+    "checkpoint",
     "contiguous_split",
     "group_advantages",
     "karmarkar_karp",

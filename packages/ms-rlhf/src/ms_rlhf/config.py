@@ -78,7 +78,9 @@ class TrainConfig:
     rollout_instances: int = 2
     """DP inference instances per rank (run one after another on one process)."""
     rollout_engine: str = "embedded"
-    """"embedded" (ms_models paged path) or "vllm" (ms-vllm; untested, see runtime/vllm_engine.py)."""
+    """"embedded" (an ms_models model in process) or "vllm" (vLLM with the ms-vllm plugin, installed separately)."""
+    rollout_mode: str = "auto"
+    """Embedded engine path: "paged" (ms_models forward_paged), "jit" (compiled recompute), "auto" (= jit if jit)."""
     block_size: int = 8
     """Paged KV-cache block size of the embedded engine."""
     optimizer_shard: bool = False
@@ -132,6 +134,8 @@ class TrainConfig:
             raise RLHFError(f"config rollout_strategy={self.rollout_strategy!r}: expected uniform/contiguous/balanced")
         if self.rollout_engine not in ("embedded", "vllm"):
             raise RLHFError(f"config rollout_engine={self.rollout_engine!r}: expected 'embedded' or 'vllm'")
+        if self.rollout_mode not in ("auto", "paged", "jit"):
+            raise RLHFError(f"config rollout_mode={self.rollout_mode!r}: expected 'auto', 'paged' or 'jit'")
         if self.max_pack_count is not None and (not isinstance(self.max_pack_count, int) or self.max_pack_count < 1):
             raise RLHFError(f"config max_pack_count={self.max_pack_count!r}: expected a positive int or null")
         if self.prompts_per_step * self.samples_per_prompt % self.updates_per_rollout:

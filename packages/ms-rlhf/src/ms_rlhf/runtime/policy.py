@@ -18,18 +18,22 @@ import numpy as np
 from ..loss import Row, per_response_token, per_token
 
 
-def build_model(config, vocab_size: int, seed: int):
-    """The policy model: ms_models tiny_config(arch, **overrides) or from_pretrained(model_path)."""
+def build_model(config, tokenizer, seed: int):
+    """The policy model: ms_models tiny_config(arch, **overrides) with the task tokenizer's vocabulary
+    and special ids (so a config.json written from it tells vLLM the right </s>), or
+    from_pretrained(model_path)."""
     import ms_models
 
     from ..errors import RLHFError
 
+    vocab_size = tokenizer.vocab_size
     if config.model_path:
         model = ms_models.from_pretrained(config.model_path)
         if model.config.vocab_size < vocab_size:
             raise RLHFError(f"model vocab_size {model.config.vocab_size} < the task tokenizer's {vocab_size}")
         return model
-    params = dict(config.model)
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+    params = {**ids, **config.model}
     arch = params.pop("arch", "llama")
     try:
         model_config = ms_models.tiny_config(arch, vocab_size=vocab_size, **params)

@@ -45,7 +45,7 @@ class GRPOTrainer:
     """GRPO on a verifiable task (see the module docstring); `group` defaults to ms_layout.comm's
     world when initialised, else a single process."""
 
-    def __init__(self, config: TrainConfig, group=None, engine=None, rollout_mode: str | None = None):
+    def __init__(self, config: TrainConfig, group=None, engine=None):
         import mindspore as ms
         from mindspore import Parameter, Tensor, nn
 
@@ -55,12 +55,11 @@ class GRPOTrainer:
         self.task = make_task(cfg.task, **cfg.task_params)
         self.tokenizer = self.task.tokenizer
         self.stream = PromptStream(self.task, cfg.seed, cfg.dataset_size)
-        vocab = self.tokenizer.vocab_size
         # Only the training model starts from the initial weights; the other two start elsewhere
         # and get theirs through weight sync, which is what the tests check.
-        self.model = build_model(cfg, vocab, cfg.seed)
-        self.infer_model = build_model(cfg, vocab, cfg.seed + 1000)
-        self.ref_model = build_model(cfg, vocab, cfg.seed + 2000)
+        self.model = build_model(cfg, self.tokenizer, cfg.seed)
+        self.infer_model = build_model(cfg, self.tokenizer, cfg.seed + 1000)
+        self.ref_model = build_model(cfg, self.tokenizer, cfg.seed + 2000)
         self.sync = WeightSync(self.model.config, self.group, cfg.optimizer_shard)
         full = {n: p.asnumpy() for n, p in self.model.parameters_and_names()}
         self.master = {n: Parameter(Tensor(full[n][self.sync.master_slice(n)].copy()), name=f"master.{n}")
@@ -70,7 +69,7 @@ class GRPOTrainer:
         self.optimizer = nn.Adam([self.master[n] for n in self.trainable], learning_rate=cfg.lr)
         self.policy = PolicyFunctions(self.model, cfg.clip_eps, cfg.kl_coef, cfg.jit)
         self.reference = PolicyFunctions(self.ref_model, cfg.clip_eps, cfg.kl_coef, cfg.jit)
-        mode = rollout_mode or ("jit" if cfg.jit else "paged")
+        mode = cfg.rollout_mode if cfg.rollout_mode != "auto" else ("jit" if cfg.jit else "paged")
         if engine is None and cfg.rollout_engine == "vllm":
             from .vllm_engine import VllmEngine
 
@@ -258,7 +257,8 @@ class GRPOTrainer:
         self.ref_shards = {n: arrays[f"ref.{n}"].copy() for n in self.master}
         for n, p in self.optimizer.parameters_and_names():
             if not n.startswith("master."):
-                p.copy_(Tensor(arrays[f"optim.{n}"]))
+                # 0-d parameters (learning_rate, beta powers) come back from asnumpy as shape (1,)
+                p.copy_(Tensor(arrays[f"optim.{n}"].reshape(tuple(p.shape))))
         self.step_count = int(state["step"])
         self.stream.load_state(state["stream"])
         kind, keys, pos, has_gauss, cached = state["numpy_global_rng"]

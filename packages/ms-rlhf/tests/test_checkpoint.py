@@ -1,0 +1,50 @@
+"""Checkpoint files: atomic, verified, and a half-written one is never picked up."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from ms_rlhf import CheckpointError, checkpoint
+from ms_rlhf.runtime.group import SingleProcessGroup
+
+
+def test_round_trip_and_latest(tmp_path):
+    group = SingleProcessGroup()
+    arrays = {"master.w": np.arange(6, dtype=np.float32).reshape(2, 3), "optim.step": np.array([3], np.int32)}
+    path = checkpoint.save(tmp_path, 3, arrays, {"step": 3, "note": "x"}, group)
+    assert checkpoint.latest(tmp_path) == path
+    got, state = checkpoint.load(tmp_path, 0, 1)
+    assert state == {"step": 3, "note": "x"}
+    assert all(np.array_equal(got[k], v) for k, v in arrays.items())
+    for step in (4, 5):
+        checkpoint.save(tmp_path, step, arrays, {"step": step}, group, keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["LATEST", "step_000004", "step_000005"]
+
+
+def test_corruption_and_wrong_world_size_are_refused(tmp_path):
+    group = SingleProcessGroup()
+    path = checkpoint.save(tmp_path, 1, {"w": np.ones(8, np.float32)}, {"step": 1}, group)
+    with pytest.raises(CheckpointError, match="written by 1 ranks; this run has 2"):
+        checkpoint.load(path, 0, 2)
+    blob = os.path.join(path, checkpoint.rank_file(0))
+    data = bytearray(open(blob, "rb").read())
+    data[-1] ^= 0xFF
+    open(blob, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match="does not match its manifest checksum"):
+        checkpoint.load(path, 0, 1)
+
+
+def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path):
+    group = SingleProcessGroup()
+    good = checkpoint.save(tmp_path, 1, {"w": np.ones(2, np.float32)}, {"step": 1}, group)
+    # a save killed half way: its temporary directory exists, LATEST still names step 1
+    os.makedirs(tmp_path / ".step_000002.tmp")
+    (tmp_path / ".step_000002.tmp" / checkpoint.rank_file(0)).write_bytes(b"partial")
+    assert checkpoint.latest(tmp_path) == good
+    assert checkpoint.resolve(tmp_path) == good
+    checkpoint.save(tmp_path, 2, {"w": np.zeros(2, np.float32)}, {"step": 2}, group)
+    assert not (tmp_path / ".step_000002.tmp").exists()
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        checkpoint.resolve(tmp_path / "nowhere")

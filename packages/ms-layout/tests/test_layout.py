@@ -85,3 +85,10 @@ def test_from_tensor_map_round_trip():
     again = Layout.from_tensor_map(layout.device_matrix, layout.tensor_map, layout.alias_names)
     assert again == layout
     assert Layout.from_dict(layout.to_dict()) == layout
+
+
+def test_scalar_shard_stays_scalar():
+    layout = Layout((2,), ("dp",))()
+    x = np.array(3.0)
+    assert shard(x, layout, 1).shape == ()
+    assert unshard({0: shard(x, layout, 0)}, layout) == x

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Union
 
 from .errors import LayoutError
@@ -99,10 +100,15 @@ class Layout:
         """Number of devices in the mesh."""
         return math.prod(self.device_matrix)
 
-    @property
+    @cached_property
     def ranks(self) -> tuple[int, ...]:
         """Global ranks in device-matrix position order."""
         return self.rank_list if self.rank_list is not None else tuple(range(self.rank_count))
+
+    @cached_property
+    def _positions(self) -> dict[int, int]:
+        # rank -> position, built once: planners call position() for every rank of every weight
+        return {rank: pos for pos, rank in enumerate(self.ranks)}
 
     @property
     def ndim(self) -> int:
@@ -169,8 +175,8 @@ class Layout:
                 raise LayoutError(f"rank {rank!r} is not in this mesh of {len(ranks)} ranks")
             return rank
         try:
-            return ranks.index(rank)
-        except ValueError:
+            return self._positions[rank]
+        except (KeyError, TypeError):
             raise LayoutError(f"rank {rank!r} is not in this layout's rank_list {list(ranks)}") from None
 
     def coords(self, rank: int) -> dict[str, int]:

@@ -10,7 +10,7 @@ Both meshes assign the same global ranks, so one rank has coordinates in both.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from functools import cached_property
+from functools import cache, cached_property
 
 from .errors import LayoutError
 from .layout import Layout
@@ -153,12 +153,14 @@ class ParallelConfig:
                 return members
         raise LayoutError(f"rank {rank!r} is outside 0..{self.world_size - 1}")
 
+    @cache  # noqa: B019 - configs are small frozen values; planners ask per weight
     def stage_ranks(self, stage: int) -> tuple[int, ...]:
         """Ranks of one pipeline stage, in dense-mesh position order."""
         if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < self.pp:
             raise LayoutError(f"stage {stage!r} is outside 0..{self.pp - 1}")
         return tuple(r for r in range(self.world_size) if self.mesh.coords(r)["pp"] == stage)
 
+    @cache  # noqa: B019
     def stage_mesh(self, stage: int = 0, experts: bool = False) -> Layout:
         """The mesh of one pipeline stage (no pp axis), with the stage's global ranks as rank_list."""
         full = self.expert_mesh if experts else self.mesh

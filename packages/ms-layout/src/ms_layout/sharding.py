@@ -13,7 +13,7 @@ from .layout import Layout
 def shard(array: np.ndarray, layout: Layout, rank: int) -> np.ndarray:
     """The shard of `array` that `rank` holds under `layout` (a contiguous copy)."""
     array = np.asarray(array)
-    return np.ascontiguousarray(array[layout.global_slice(array.shape, rank)])
+    return array[layout.global_slice(array.shape, rank)].copy(order="C")  # keeps 0-d arrays 0-d
 
 
 def unshard(shards: Mapping[int, np.ndarray], layout: Layout, *, check_replicas: bool = True) -> np.ndarray:

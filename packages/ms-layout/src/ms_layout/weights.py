@@ -15,6 +15,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from functools import cache
 
 from .errors import LayoutError
 from .layout import Layout
@@ -173,11 +174,16 @@ def _owned_by_expert_rank(
         raise LayoutError(
             f"{name!r} is expert {expert}; num_experts={num_experts!r} must be given, divisible by ep={config.ep}"
         )
-    owner = expert // (num_experts // config.ep)
+    sizes, names, ranks = _expert_owner_mesh(config, stage, expert // (num_experts // config.ep))
+    return Layout(sizes, names, layout.dims, ranks)
+
+
+@cache
+def _expert_owner_mesh(config: ParallelConfig, stage: int, owner: int) -> tuple[tuple, tuple, tuple]:
     mesh = config.stage_mesh(stage, experts=True)
     names = tuple(a for a in mesh.alias_names if a != "ep")
     ranks = tuple(r for r in mesh.ranks if mesh.coords(r)["ep"] == owner)
-    return Layout(tuple(mesh.axis_size(a) for a in names), names, layout.dims, ranks)
+    return tuple(mesh.axis_size(a) for a in names), names, ranks
 
 
 def _role(role: Role | str) -> Role:

@@ -176,10 +176,35 @@ def _print(rows, title):
             print("  ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()))
 
 
+def _draw(png_dir, trace_dir, results, m: int) -> None:
+    """The fastest measured step of each schedule: a PNG (receive waits in grey), a Chrome trace."""
+    import ms_pipeline as mp
+    from ms_pipeline.draw import draw_png, write_chrome_trace
+
+    for name in NAMES:
+        per_rank = [r[name, m] for r in results]
+        best = min(range(len(per_rank[0]["times"])), key=lambda i: max(r["times"][i] for r in per_rank))
+        events = [e for r in per_rank for e in r["events"][best]]
+        t0 = min(e.start for e in events)
+        events = [mp.Event(e.rank, e.action, 1e3 * (e.start - t0), 1e3 * (e.end - t0)) for e in events]  # ms
+        schedule = mp.build(name, RANKS, m)
+        bubbles = mp.Bubbles.of([e for e in events if e.action.is_compute], RANKS)
+        title = f"{name}, measured on 2 CPU ranks, m={m}: {bubbles.makespan:.0f} ms, bubble {bubbles.bubble_rate:.1%}"
+        if png_dir:
+            Path(png_dir).mkdir(parents=True, exist_ok=True)
+            path = Path(png_dir) / f"ms-pipeline-run-{name}.png"
+            draw_png(events, path, stage_to_rank=schedule.stage_to_rank, title=title)
+        if trace_dir:
+            write_chrome_trace(Path(trace_dir) / f"ms-pipeline-run-{name}.json", events, name=name)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer microbatch counts and steps")
     parser.add_argument("--out", default="benchmarks/results/pipeline.json")
+    parser.add_argument(
+        "--draw", metavar="DIR", help="also write PNG timelines and Chrome traces of measured steps here"
+    )
     args = parser.parse_args(argv)
     from ms_layout.comm import run_local
 
@@ -198,6 +223,8 @@ def main(argv=None) -> int:
             zbv[f"zbv/1f1b {key}"] = zbv[key] / one[key]
             one[f"zbv/1f1b {key}"] = 1.0
         rows += [one, zbv]
+    if args.draw or args.trace:
+        _draw(args.draw, args.trace, results, micro_counts[len(micro_counts) // 2])
     title = "ZeroBubbleV vs 1F1B, 2 CPU ranks x 1 thread, toy transformer (measured beside simulated)"
     _print(rows, title)
     report = {"benchmark": "pipeline", "title": title, "machine": _machine(), "rows": rows}

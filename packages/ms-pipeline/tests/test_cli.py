@@ -63,6 +63,7 @@ def test_errors_exit_2_naming_the_problem(tmp_path, capsys):
 
 @pytest.mark.needs_mindspore
 @pytest.mark.needs_torch
+@pytest.mark.timeout(900)
 def test_run_on_two_local_ranks(capsys):
     pytest.importorskip("mindspore")
     assert main(["run", "--schedule", "zbh1", "--stages", "2", "--microbatches", "2", "--json"]) == 0

@@ -16,7 +16,8 @@ import ms_pipeline as mp  # noqa: E402
 from mindspore import nn  # noqa: E402
 from ms_pipeline.runtime import ToyModel, reference_step, split_blocks, toy_batch  # noqa: E402
 
-pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch]
+# spawning MindSpore ranks on 2 shared cores takes minutes, beyond the 300 s default
+pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch, pytest.mark.timeout(1500)]
 
 VOCAB, D, SEQ, MB = 32, 16, 8, 2
 TOL = 1e-5

@@ -17,7 +17,8 @@ ms_models = pytest.importorskip("ms_models")
 import ms_pipeline as mp  # noqa: E402
 from mindspore import nn, ops  # noqa: E402
 
-pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch]
+# spawning MindSpore ranks on 2 shared cores takes minutes, beyond the 300 s default
+pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch, pytest.mark.timeout(1500)]
 
 MB, SEQ, M = 2, 6, 4
 

@@ -23,6 +23,13 @@ def test_simulate_zbv_uses_the_same_model_split_in_two(capsys):
     assert out["peak_activation"] == [4.0, 4.0, 4.0, 4.0]  # the same as 1F1B's rank 0
 
 
+def test_simulate_adaptive_zbv(capsys):
+    args = ["simulate", "--schedule", "zbv-adaptive", "--stages", "4", "--microbatches", "4", "--json"]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["makespan"] == pytest.approx(13.5)  # fixed pattern: 15
+    assert main([*args, "--profile", "zb"]) == 0
+
+
 def test_simulate_costs_and_profile(capsys):
     args = ["simulate", "--schedule", "zbh1", "--stages", "4", "--microbatches", "8", "--json"]
     assert main([*args, "--costs", "f=1,b=1,w=0.5,comm=0"]) == 0

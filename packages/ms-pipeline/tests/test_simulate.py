@@ -143,3 +143,27 @@ def test_per_stage_costs_slowest_stage_dominates():
     uneven = CostModel(f=(1, 1, 2, 1), b=(1, 1, 2, 1), w=(1, 1, 2, 1))
     result = mp.simulate(mp.one_f_one_b(4, 16), uneven)
     assert result.makespan >= 16 * 6  # the slow stage runs 16 x (2+2+2)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_adaptive_zbv_fills_the_v_even_with_few_microbatches(p):
+    """The fixed pattern leaves holes below 2p-1 microbatches; ordering by the clock closes them
+    at m = p and keeps ZeroBubbleV strictly below ZB-H1 for every m >= p."""
+    equal = CostModel().split(2)
+    for m in range(p, 2 * p + 1):
+        adaptive = mp.simulate(mp.zero_bubble_v_adaptive(p, m, equal), equal)
+        fixed = mp.simulate(mp.zero_bubble_v(p, m), equal)
+        assert adaptive.makespan <= fixed.makespan + 1e-9
+        assert adaptive.makespan < run("zbh1", p, m).makespan
+        assert max(adaptive.peak_activation) <= p + 1e-9
+    at_p = mp.simulate(mp.zero_bubble_v_adaptive(p, p, equal), equal)
+    assert at_p.makespan == pytest.approx(3 * p + (p - 1) / 2)  # the start-up wait only
+
+
+@pytest.mark.parametrize("p,m", [(4, 4), (4, 8), (8, 8), (8, 24)])
+def test_adaptive_zbv_is_never_slower_than_the_fixed_pattern(p, m):
+    profile = CostModel.zb_profile().split(2)
+    adaptive = mp.simulate(mp.zero_bubble_v_adaptive(p, m, profile), profile)
+    fixed = mp.simulate(mp.zero_bubble_v(p, m), profile)
+    assert adaptive.makespan <= fixed.makespan + 1e-9
+    assert max(adaptive.peak_activation) <= max(run("1f1b", p, m, CostModel.zb_profile()).peak_activation) + 1e-9

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from ms_pipeline import Action, Kind, Schedule, ScheduleError
 
 SIZES = [(p, m) for p in (2, 4, 8) for m in range(p, 4 * p + 1)]
-NAMES = ["gpipe", "1f1b", "interleaved", "zbh1", "zbv"]
+NAMES = ["gpipe", "1f1b", "interleaved", "zbh1", "zbv", "zbv-adaptive"]
 
 
 @pytest.mark.parametrize("name", NAMES)

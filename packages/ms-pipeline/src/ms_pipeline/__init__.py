@@ -14,7 +14,16 @@ from .errors import ScheduleError
 from .ir import Action, Kind, Schedule, format_actions, parse_actions
 from .lower import lower, step_simulate
 from .placement import LayerPlacement, stage_to_rank
-from .schedules import BUILDERS, build, gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_h1, zero_bubble_v
+from .schedules import (
+    BUILDERS,
+    build,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    zero_bubble_h1,
+    zero_bubble_v,
+    zero_bubble_v_adaptive,
+)
 from .serialize import dumps, from_csv, load, loads, save, to_csv
 from .simulate import Bubbles, CostModel, Event, SimResult, peak_activation, simulate
 from .validate import format_grid, is_valid, validate
@@ -55,6 +64,7 @@ __all__ = [
     "validate",
     "zero_bubble_h1",
     "zero_bubble_v",
+    "zero_bubble_v_adaptive",
 ]
 
 

@@ -1,6 +1,7 @@
 """The ``ms-pipeline`` console script.
 
 ms-pipeline simulate --schedule zbv --stages 4 --microbatches 8 [--costs f=1,b=1,w=1,comm=0] [--json]
+    (--schedule zbv-adaptive: ZeroBubbleV ordered for the given costs)
 ms-pipeline draw     --schedule zbv --stages 4 --microbatches 8 -o zbv.png [--trace zbv.json]
 ms-pipeline show     --schedule zbv --stages 4 --microbatches 8 [--lowered] [--csv]
 ms-pipeline validate schedule.csv [--torch]
@@ -41,8 +42,11 @@ def _cost_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", choices=["zb"], help="zb: the Zero Bubble authors' measured profile (W = 0.63 F)")
 
 
-def _build(args: argparse.Namespace) -> Schedule:
+def _build(args: argparse.Namespace, costs: CostModel | None = None) -> Schedule:
     options = {}
+    if args.schedule == "zbv-adaptive":
+        # ordered for the same costs it is then simulated with (two chunks per rank)
+        options["costs"] = costs or CostModel().split(2)
     if args.schedule == "interleaved":
         options["stages_per_rank"] = args.chunks
     if args.overlap:
@@ -52,15 +56,20 @@ def _build(args: argparse.Namespace) -> Schedule:
     return build(args.schedule, args.stages, args.microbatches, **options)
 
 
-def _costs(args: argparse.Namespace, schedule: Schedule) -> CostModel:
+def _costs(args: argparse.Namespace, chunks: int) -> CostModel:
     base = CostModel.zb_profile() if args.profile == "zb" else CostModel()
-    return CostModel.parse(args.costs, base).split(schedule.stages_per_rank)
+    return CostModel.parse(args.costs, base).split(chunks)
+
+
+def _built_with_costs(args: argparse.Namespace) -> tuple[Schedule, CostModel]:
+    schedule = _build(args, _costs(args, 2) if args.schedule == "zbv-adaptive" else None)
+    return schedule, _costs(args, schedule.stages_per_rank)
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    schedule = _build(args)
+    schedule, costs = _built_with_costs(args)
     validate(schedule)
-    result = simulate(schedule, _costs(args, schedule))
+    result = simulate(schedule, costs)
     report = {
         "schedule": schedule.name,
         "stages": args.stages,
@@ -84,9 +93,9 @@ def _simulate(args: argparse.Namespace) -> int:
 def _draw(args: argparse.Namespace) -> int:
     from .draw import draw_png, write_chrome_trace
 
-    schedule = _build(args)
+    schedule, costs = _built_with_costs(args)
     validate(schedule)
-    result = simulate(schedule, _costs(args, schedule))
+    result = simulate(schedule, costs)
     draw_png(result, args.output, stage_to_rank=schedule.stage_to_rank)
     print(f"wrote {args.output}")
     if args.trace:

@@ -11,6 +11,7 @@ from .interleaved import interleaved_1f1b
 from .one_f_one_b import one_f_one_b
 from .zero_bubble_h1 import zero_bubble_h1
 from .zero_bubble_v import zero_bubble_v
+from .zero_bubble_v_adaptive import zero_bubble_v_adaptive
 
 #: CLI name -> builder(num_ranks, num_microbatches, **options)
 BUILDERS: dict[str, Callable[..., Schedule]] = {
@@ -19,6 +20,7 @@ BUILDERS: dict[str, Callable[..., Schedule]] = {
     "interleaved": interleaved_1f1b,
     "zbh1": zero_bubble_h1,
     "zbv": zero_bubble_v,
+    "zbv-adaptive": zero_bubble_v_adaptive,
 }
 
 
@@ -31,4 +33,13 @@ def build(name: str, num_ranks: int, num_microbatches: int, **options) -> Schedu
     return builder(num_ranks, num_microbatches, **options)
 
 
-__all__ = ["BUILDERS", "build", "gpipe", "interleaved_1f1b", "one_f_one_b", "zero_bubble_h1", "zero_bubble_v"]
+__all__ = [
+    "BUILDERS",
+    "build",
+    "gpipe",
+    "interleaved_1f1b",
+    "one_f_one_b",
+    "zero_bubble_h1",
+    "zero_bubble_v",
+    "zero_bubble_v_adaptive",
+]

@@ -3,7 +3,7 @@
     python benchmarks/bench_pipeline.py [--quick] --out benchmarks/results/pipeline.json
 
 Both schedules train the same toy transformer (ms_pipeline.runtime.toy) on 2 local ranks with one
-thread each (gloo moves the tensors), blocks compiled with mindspore.jit. For each microbatch
+thread each (gloo moves the tensors), stages compiled with mindspore.jit. For each microbatch
 count the script measures, side by side in one run:
 
 * the step time (median over steps, slowest rank);
@@ -13,7 +13,7 @@ count the script measures, side by side in one run:
   latency from a ping-pong of one activation;
 * what the simulator predicts for the schedule under exactly those measured costs.
 
-On this runtime B and W each re-run their block's forward (the generic block-level dx/dw split,
+On this runtime B and W each re-run their stage's forward (the generic block-level dx/dw split,
 docs/ms-pipeline.md), so ZBV computes more than 1F1B; the benchmark shows how much of that its
 smaller bubble wins back, and whether the simulator saw it coming.
 """
@@ -46,7 +46,7 @@ def _rank(group, micro_counts, steps):
     setup_cpu(config.threads)
     shape = (config.micro_batch, config.seq, config.d)
     latency = _ping_pong(group, shape)
-    # one model for both schedules and every microbatch count: each block is compiled once
+    # one model for both schedules and every microbatch count: each stage is compiled once
     model, _, all_inputs, all_labels = toy_setup(config, 2 * RANKS, max(micro_counts))
     blocks = list(model.blocks)
     out = {}
@@ -193,7 +193,7 @@ def _draw(png_dir, trace_dir, results, m: int) -> None:
         if png_dir:
             Path(png_dir).mkdir(parents=True, exist_ok=True)
             path = Path(png_dir) / f"ms-pipeline-run-{name}.png"
-            draw_png(events, path, stage_to_rank=schedule.stage_to_rank, title=title)
+            draw_png(events, path, stage_to_rank=schedule.stage_to_rank, title=title, xlabel="ms")
         if trace_dir:
             write_chrome_trace(Path(trace_dir) / f"ms-pipeline-run-{name}.json", events, name=name)
 
@@ -202,9 +202,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer microbatch counts and steps")
     parser.add_argument("--out", default="benchmarks/results/pipeline.json")
-    parser.add_argument(
-        "--draw", metavar="DIR", help="also write PNG timelines and Chrome traces of measured steps here"
-    )
+    parser.add_argument("--draw", metavar="DIR", help="also write PNG timelines of measured steps here")
+    parser.add_argument("--trace", metavar="DIR", help="also write Chrome traces (Perfetto) of measured steps here")
     args = parser.parse_args(argv)
     from ms_layout.comm import run_local
 

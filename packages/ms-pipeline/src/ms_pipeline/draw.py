@@ -19,6 +19,7 @@ from .serialize import _write_atomic
 from .simulate import CostModel, Event, SimResult, simulate
 
 COLORS = {Kind.F: "#3b75af", Kind.B: "#519e3e", Kind.W: "#ef8636", Kind.BW: "#8d69b8"}
+_WAIT = "#eeeeee"  # a measured wait for a receive (real runs only)
 
 
 def _shade(color: str, chunk: int) -> tuple[float, float, float]:
@@ -47,6 +48,7 @@ def draw_png(
     title: str | None = None,
     stage_to_rank: Sequence[int] | None = None,
     label: bool = True,
+    xlabel: str = "time",
 ) -> Path:
     """Draw a timeline to ``path`` (PNG). ``source`` is a schedule (simulated with ``costs``), a
     simulation result, or measured events. ``stage_to_rank`` tells chunks apart for shading
@@ -71,7 +73,7 @@ def draw_png(
     ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
     ax.set_ylim(ranks - 0.5, -0.5)
     ax.set_xlim(0, span)
-    ax.set_xlabel("time")
+    ax.set_xlabel(xlabel)
     if title is None and isinstance(source, (Schedule, SimResult)):
         result = source if isinstance(source, SimResult) else simulate(source, costs)
         title = f"{name}: makespan {result.makespan:.4g}, bubble rate {result.bubble_rate:.1%}"
@@ -81,8 +83,11 @@ def draw_png(
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in present]
     labels = [names[k] for k in present]
     if any(chunk_of.get(p.stage, 0) for e in events for p in e.action.parts or (e.action,)):
-        handles.append(plt.Rectangle((0, 0), 1, 1, color=_shade("#777777", 1)))
+        handles.append(plt.Rectangle((0, 0), 1, 1, color=_shade(COLORS[Kind.F], 1)))
         labels.append("lighter: 2nd chunk")
+    if any(e.action.kind in (Kind.RECV_F, Kind.RECV_B) for e in events):
+        handles.append(plt.Rectangle((0, 0), 1, 1, facecolor=_WAIT, hatch="///", edgecolor="#999999"))
+        labels.append("waiting for a receive")
     ax.legend(
         handles, labels, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(labels), fontsize=8, frameon=False
     )
@@ -111,6 +116,10 @@ def _chunks(stage_to_rank: Sequence[int] | None) -> dict[int, int]:
 
 
 def _bar(ax, event: Event, t0: float, chunk_of: dict[int, int], label: bool) -> None:
+    if event.action.kind in (Kind.RECV_F, Kind.RECV_B):
+        width = event.end - event.start
+        ax.barh(event.rank, width, left=event.start - t0, height=0.5, color=_WAIT, hatch="///", edgecolor="#999999")
+        return
     parts = event.action.parts or (event.action,)
     width = (event.end - event.start) / len(parts)
     for i, part in enumerate(parts):

@@ -64,3 +64,14 @@ def test_scripted_lengths(model):
     reqs = [replace(r, stop_after=2 + r.request_id % 4) for r in requests(2, 4, max_new=8)]
     outs = EmbeddedEngine(model, eos_id=2, mode="paged", block_size=4).generate(reqs)
     assert [len(c.tokens) for c in outs] == [2 + r.request_id % 4 for r in reqs]
+
+
+@pytest.mark.parametrize("mode", ["paged", "jit"])
+def test_concurrency_cap_does_not_change_samples(model, mode):
+    from ms_rlhf.runtime.rollout import EmbeddedEngine
+
+    engine = EmbeddedEngine(model, eos_id=2, mode=mode, block_size=4)
+    reqs = requests()
+    all_at_once = engine.generate(reqs, batch=len(reqs))
+    capped = engine.generate(reqs, batch=3)  # continuous batching through 3 places
+    assert [c.tokens for c in capped] == [c.tokens for c in all_at_once]

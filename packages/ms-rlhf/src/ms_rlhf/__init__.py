@@ -29,6 +29,7 @@ _RUNTIME = {
     "RolloutEngine": "ms_rlhf.runtime.rollout",
     "VllmEngine": "ms_rlhf.runtime.vllm_engine",
     "WeightSync": "ms_rlhf.runtime.sync",
+    "train": "ms_rlhf.runtime.run",
 }
 
 __all__ = [
@@ -70,6 +71,7 @@ __all__ = [
     "split",
     "token_bound",
     "token_terms",
+    "train",
     "uniform_split",
 ]
 

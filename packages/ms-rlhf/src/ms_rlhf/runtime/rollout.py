@@ -45,7 +45,11 @@ class Request:
     max_new_tokens: int
     """Longest response."""
     stop_after: int | None = None
-    """Benchmarks only: stop after exactly this many tokens, ignoring </s> (a scripted length)."""
+    """Benchmarks only: stop after exactly this many tokens (<= max_new_tokens), ignoring </s>."""
+
+    def __post_init__(self) -> None:
+        if self.stop_after is not None and not 1 <= self.stop_after <= self.max_new_tokens:
+            raise RLHFError(f"request {self.request_id}: stop_after={self.stop_after} not in 1..{self.max_new_tokens}")
 
 
 @dataclass
@@ -90,7 +94,7 @@ class _Running:
         self.request = request
         self.tokens = list(request.prompt_ids)
         self.out = Completion(request.request_id)
-        self.uniforms = np.random.default_rng(list(request.key)).random(request.stop_after or request.max_new_tokens)
+        self.uniforms = np.random.default_rng(list(request.key)).random(request.max_new_tokens)
         self.blocks: list[int] = []
         self.computed = 0
 
@@ -118,66 +122,82 @@ class EmbeddedEngine:
         self.model, self.eos_id, self.temperature, self.mode, self.block_size = (
             model, eos_id, temperature, mode, block_size)  # fmt: skip
         self._compiled = None
+        self.calls = 0  # forward calls so far: the engine's steps, a noise-free measure of its work
 
     def weight_targets(self) -> dict[str, object]:
         return dict(self.model.parameters_and_names())
 
     def generate(self, requests: Sequence[Request], batch: int | None = None) -> list[Completion]:
-        """Completions in request order. `batch` pads the jit batch to a fixed size (one compile)."""
+        """Completions in request order. At most `batch` sequences run at once (continuous
+        batching: a finished sequence's place goes to the next waiting request, as vLLM's
+        max_num_seqs); default: all of them. The jit path always computes `batch` rows (one
+        compiled shape)."""
         if not requests:
             return []
         running = [_Running(r) for r in requests]
+        slots = min(batch or len(running), len(running)) if self.mode == "paged" else (batch or len(running))
         if self.mode == "paged":
-            self._paged(running)
+            self._paged(running, slots)
         else:
-            self._jit(running, batch or len(running))
+            self._jit(running, slots)
         return [r.out for r in running]
 
     # -------------------------------------------------------------------------- jit recompute
-    def _jit(self, running: list[_Running], batch: int) -> None:
+    def _jit(self, running: list[_Running], slots: int) -> None:
         import mindspore as ms
 
         if self._compiled is None:
             self._compiled = ms.jit(self.model)
-        width = max(len(r.request.prompt_ids) + (r.request.stop_after or r.request.max_new_tokens) for r in running)
-        for start in range(0, len(running), batch):
-            chunk = running[start : start + batch]
-            buf = np.zeros((batch, width), np.int32)
-            active = list(range(len(chunk)))
-            while active:
-                for i in active:
-                    buf[i, : len(chunk[i].tokens)] = chunk[i].tokens
-                logits = self._compiled(ms.Tensor(buf)).asnumpy()
-                active = [i for i in active if not chunk[i].push(logits[i, len(chunk[i].tokens) - 1],
-                                                                 self.temperature, self.eos_id)]  # fmt: skip
+        # prompt + max_new_tokens (not the scripted length): one compiled shape for every batch
+        width = max(len(r.request.prompt_ids) + r.request.max_new_tokens for r in running)
+        buf = np.zeros((slots, width), np.int32)
+        waiting, seat = list(reversed(running)), [None] * slots
+        while True:
+            for i in range(slots):
+                if seat[i] is None and waiting:  # admit the next request into a free row
+                    seat[i] = waiting.pop()
+                    buf[i] = 0
+                    buf[i, : len(seat[i].tokens)] = seat[i].tokens
+            if all(s is None for s in seat):
+                return
+            logits = self._compiled(ms.Tensor(buf)).asnumpy()
+            self.calls += 1
+            for i, seq in enumerate(seat):
+                if seq is not None:
+                    done = seq.push(logits[i, len(seq.tokens) - 1], self.temperature, self.eos_id)
+                    buf[i, len(seq.tokens) - 1] = seq.tokens[-1]
+                    seat[i] = None if done else seq
 
     # -------------------------------------------------------------------------- paged KV cache
-    def _paged(self, running: list[_Running]) -> None:
+    def _paged(self, running: list[_Running], slots: int) -> None:
         from ms_models import BlockAllocator
 
         bs = self.block_size
-        longest = [len(r.tokens) + (r.request.stop_after or r.request.max_new_tokens) for r in running]
-        num_blocks = sum(-(-n // bs) for n in longest)
+        per_seq = [-(-(len(r.tokens) + (r.request.stop_after or r.request.max_new_tokens)) // bs) for r in running]
+        num_blocks = sum(sorted(per_seq)[-slots:])  # enough for the `slots` largest at once
         caches = self.model.allocate_kv_caches(num_blocks, bs)
         allocator = BlockAllocator(num_blocks)
-        active = list(running)
-        while active:
-            ids, positions, slots, starts, lens = [], [], [], [0], []
+        waiting, active = list(reversed(running)), []
+        while waiting or active:
+            while waiting and len(active) < slots:
+                active.append(waiting.pop())
+            ids, positions, slot_map, starts, lens = [], [], [], [0], []
             for seq in active:
                 while len(seq.blocks) * bs < len(seq.tokens):
                     seq.blocks.append(allocator.allocate())
                 for pos in range(seq.computed, len(seq.tokens)):
                     positions.append(pos)
-                    slots.append(seq.blocks[pos // bs] * bs + pos % bs)
-                ids += seq.tokens[seq.computed :]
+                    slot_map.append(seq.blocks[pos // bs] * bs + pos % bs)
+                ids += seq.tokens[seq.computed :]  # the whole prompt when admitted, then one token
                 starts.append(len(ids))
                 lens.append(len(seq.tokens))
             width = max(len(s.blocks) for s in active)
             tables = np.array([s.blocks + [0] * (width - len(s.blocks)) for s in active], np.int32)
             logits = self.model.forward_paged(
-                np.array(ids, np.int32), np.array(positions, np.int32), caches, np.array(slots, np.int32), tables,
+                np.array(ids, np.int32), np.array(positions, np.int32), caches, np.array(slot_map, np.int32), tables,
                 np.array(lens, np.int32), np.array(starts, np.int32), logits_indices=np.array(starts[1:], np.int32) - 1,
             ).asnumpy()  # fmt: skip
+            self.calls += 1
             still = []
             for seq, row in zip(active, logits):
                 seq.computed = len(seq.tokens)

@@ -32,7 +32,7 @@ def _optimizer(name, params):
     return nn.SGD(params, learning_rate=0.5) if name == "sgd" else nn.Adam(params, learning_rate=0.01)
 
 
-def _train_two_steps(group, name, p, m, counts, layers, opt_name, options, steps=2):
+def _train_two_steps(group, name, p, m, counts, layers, opt_name, options, steps=2, jit=False):
     """One rank: step, optimizer update, step again (``steps=1``: the first step only)."""
     _setup()
     schedule = mp.build(name, p, m, **options)
@@ -41,7 +41,7 @@ def _train_two_steps(group, name, p, m, counts, layers, opt_name, options, steps
     mine = {s: blocks[s] for s in schedule.stages_of(group.rank)}
     params = list({id(p): p for s in mine for b in mine[s] for p in b.trainable_params()}.values())
     runtime = mp.runtime.PipelineRuntime(
-        schedule, mine, group, activation_shape=(MB, SEQ, D), optimizer=_optimizer(opt_name, params)
+        schedule, mine, group, activation_shape=(MB, SEQ, D), optimizer=_optimizer(opt_name, params), jit=jit
     )
     inputs, labels = toy_batch(m, MB, SEQ, VOCAB)
     first = runtime.step(inputs, labels)
@@ -78,25 +78,26 @@ def _compare(results, reference):
     assert seen == set(grads)  # every parameter lives on some rank
 
 
-def _many(group, runs):
+def _many(group, runs, jit):
     """Several schedules in one spawn of the ranks (spawning MindSpore processes is the slow part)."""
-    return [_train_two_steps(group, *run) for run in runs]
+    return [_train_two_steps(group, *run, jit=jit) for run in runs]
 
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 @pytest.mark.parametrize(
-    "p,runs",
+    "p,runs,jit",
     [
-        # (schedule, ranks, microbatches, blocks per stage, decoder layers, optimizer, options)
-        (2, [("1f1b", 2, 4, [3, 5], 3, "sgd", {}), ("zbv", 2, 4, [1, 3, 2, 2], 3, "adam", {})]),
-        (4, [("1f1b", 4, 4, [2, 2, 2, 2], 3, "adam", {}), ("zbv", 4, 5, [1] * 8, 3, "sgd", {})]),
+        # (schedule, ranks, microbatches, blocks per stage, decoder layers, optimizer, options);
+        # PyNative on 2 ranks, stages compiled with mindspore.jit on 4
+        (2, [("1f1b", 2, 4, [3, 5], 3, "sgd", {}), ("zbv", 2, 4, [1, 3, 2, 2], 3, "adam", {})], False),
+        (4, [("1f1b", 4, 4, [2, 2, 2, 2], 3, "adam", {}), ("zbv", 4, 5, [1] * 8, 3, "sgd", {})], True),
     ],
-    ids=["2ranks-1f1b-zbv-uneven", "4ranks-1f1b-zbv"],
+    ids=["2ranks-1f1b-zbv-uneven-pynative", "4ranks-1f1b-zbv-jit"],
 )
-def test_pipelined_training_matches_single_process(run_ranks, p, runs):
-    results = run_ranks(_many, nprocs=p, timeout=900, args=(runs,), env=ONE_THREAD)
+def test_pipelined_training_matches_single_process(run_ranks, p, runs, jit):
+    results = run_ranks(_many, nprocs=p, timeout=900, args=(runs, jit), env=ONE_THREAD)
     for i, (name, _, m, _, layers, opt, _) in enumerate(runs):
         per_rank = [r[i] for r in results]
         _compare(per_rank, _reference(m, layers, opt))
@@ -112,7 +113,7 @@ def test_pipelined_training_matches_single_process(run_ranks, p, runs):
 def _one_step(group, runs):
     out = []
     for name, counts, options in runs:
-        loss, grads, *_ = _train_two_steps(group, name, 2, 4, counts, 3, "sgd", options, steps=1)
+        loss, grads, *_ = _train_two_steps(group, name, 2, 4, counts, 3, "sgd", options, steps=1, jit=True)
         out.append((name, loss, grads))
     return out
 

@@ -133,3 +133,54 @@ def test_out_of_order_passes_are_named():
         stage.backward_weight(0)
     with pytest.raises(ScheduleError, match="microbatch 0 ran its forward twice"):
         stage.forward(0, ids[0], labels[0])
+
+
+class _OneRank:
+    """A process group of one rank: nothing to send, so the runtime runs in this process."""
+
+    backend, rank, size, ranks = "local", 0, 1, (0,)
+
+    def barrier(self):
+        pass
+
+    def all_reduce(self, array, op="sum", async_op=False):
+        return None
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_runtime_on_one_rank_hands_tensors_over_at_the_turn_of_the_v(overlap):
+    import ms_pipeline as mp
+    from ms_pipeline.runtime import PipelineRuntime
+
+    net = Net()
+    ids, labels = _data(3)
+    ref = _reference(net, ids, labels)
+    blocks = list(net.blocks)
+    schedule = mp.zero_bubble_v(1, 3, overlap=overlap)  # stages 0 and 1 both on rank 0
+    runtime = PipelineRuntime(schedule, {0: blocks[:2], 1: blocks[2:]}, _OneRank(), activation_shape=(2, 5, D))
+    result = runtime.step(ids, labels)
+    grads = runtime.grads()
+    by_id = {id(p): p.name for p in runtime.params}
+    assert set(grads) == set(by_id.values())
+    for pid, g in ref.items():
+        np.testing.assert_allclose(grads[by_id[pid]], g, rtol=1e-5, atol=1e-6)
+    kinds = {e.action.kind.value for e in result.events}
+    assert kinds <= {"F", "B", "W", "OVERLAP_F_B"} and ("OVERLAP_F_B" in kinds) == overlap
+
+
+def test_runtime_argument_errors_are_named():
+    import ms_pipeline as mp
+    from ms_pipeline.runtime import PipelineRuntime
+
+    blocks = list(Net().blocks)
+    schedule = mp.zero_bubble_v(1, 2)
+    with pytest.raises(ScheduleError, match=r"rank 0 holds stages \[0, 1\]"):
+        PipelineRuntime(schedule, {0: blocks}, _OneRank(), activation_shape=(2, 5, D))
+    with pytest.raises(ScheduleError, match="schedule 1f1b needs 2 ranks, the group has 1"):
+        PipelineRuntime(mp.one_f_one_b(2, 2), {0: blocks}, _OneRank(), activation_shape=(2, 5, D))
+    runtime = PipelineRuntime(schedule, {0: blocks[:2], 1: blocks[2:]}, _OneRank(), activation_shape=(2, 5, D))
+    ids, labels = _data(3)
+    with pytest.raises(ScheduleError, match="step needs 2 microbatches"):
+        runtime.step(ids, labels)
+    with pytest.raises(ScheduleError, match="no optimizer"):
+        runtime.optimizer_step()

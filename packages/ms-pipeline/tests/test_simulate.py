@@ -28,7 +28,7 @@ def test_equal_costs_bubble_rates(p, m):
     assert run("gpipe", p, m).bubble_rate == pytest.approx((p - 1) / (m + p - 1))
     zbv, zbh1 = run("zbv", p, m), run("zbh1", p, m)
     if m >= 2 * p - 1:
-        # ZeroBubbleV: only the start-up wait of rank i (i chunk forwards of T_F/2) is idle ...
+        # ZeroBubbleV: rank i idles only before its first action (i chunk forwards) and after its last
         assert zbv.makespan == pytest.approx(3 * m + (p - 1) / 2)
         assert zbv.bubble_rate == pytest.approx((p - 1) / (6 * m + p - 1))
         # ... which the Zero Bubble authors do not count: their rate is exactly 0 (README table: ZBV 0)
@@ -157,7 +157,7 @@ def test_adaptive_zbv_fills_the_v_even_with_few_microbatches(p):
         assert adaptive.makespan < run("zbh1", p, m).makespan
         assert max(adaptive.peak_activation) <= p + 1e-9
     at_p = mp.simulate(mp.zero_bubble_v_adaptive(p, p, equal), equal)
-    assert at_p.makespan == pytest.approx(3 * p + (p - 1) / 2)  # the start-up wait only
+    assert at_p.makespan == pytest.approx(3 * p + (p - 1) / 2)  # idle only at the edges
 
 
 @pytest.mark.parametrize("p,m", [(4, 4), (4, 8), (8, 8), (8, 24)])

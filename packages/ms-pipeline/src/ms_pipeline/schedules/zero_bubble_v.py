@@ -13,9 +13,9 @@ backward is split into B (dx) and W (dw). The phases, for rank i of p (PyTorch's
   6. drain:    the remaining W1, then W0, filling what would otherwise be the tail bubble.
 
 At most 2p chunk-microbatches are alive on a rank, that is p microbatches of a whole rank's
-layers: the same activation memory as 1F1B. With T_F = T_B = T_W the only idle time is the
-start-up wait of rank i (i chunk forwards), which is why the authors, who count idle time from
-each rank's first action, call the schedule zero-bubble.
+layers: the same activation memory as 1F1B. With T_F = T_B = T_W a rank never waits between its
+first and its last action (rank i starts i chunk forwards late and ends p-1-i early), which is why
+the authors, who count idle time only within that span, call the schedule zero-bubble.
 
 With fewer than 2p-1 microbatches the pattern is built for 2p-1 and the missing microbatches are
 dropped (as PyTorch does). ``overlap=True`` fuses the steady phase into 1B1F pairs: each B is run

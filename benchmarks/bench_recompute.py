@@ -1,0 +1,341 @@
+"""Paired recompute with overlapped communication (MindSpore 2.7's recomputation_communication_overlap)
+against the same recompute without it, on 2 CPU ranks with tensor parallelism (gloo), side by side.
+
+    python benchmarks/bench_recompute.py [--quick] [--out benchmarks/results/recompute.json]
+                                         [--plot docs/images/ms-recompute-pair.png]
+
+Each size is a stack of 4 tensor-parallel Llama layers (built by ms_recompute.runtime.tp_model from
+an ms_models model), every layer fully recomputed. A step is one backward of the stack (input and
+weight gradients) from a fixed input and output gradient. The same model runs the two plans in
+alternation, a repetition each: ``sequential`` recomputes each layer alone (compute, all-reduce,
+wait, compute); ``paired`` recomputes layers (0, 1) and (2, 3) together so each layer's all-reduce is
+in flight while its partner computes. The figure is the recompute part only: the time the runtime
+spends inside recomputes, summed over the step, slowest rank; minimum and median over repetitions.
+Also reported: the same all-reduce alone, and the time the recomputes spent blocked in ``wait``.
+A second table checks memory in fresh processes: what the tape keeps, and the resident set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import numpy as np
+
+from ms_layout.comm import run_local
+
+NPROCS = 2
+LAYERS = 4
+# (hidden, heads, kv heads, MLP width); batch 4 x 128 tokens
+FULL_SIZES = ((128, 4, 2, 256), (256, 4, 2, 512), (512, 8, 4, 1024))
+QUICK_SIZES = ((128, 4, 2, 256),)
+BATCH, SEQ = 4, 128
+MODES = ("sequential", "paired")
+# memory check: 8 single-device Llama layers, hidden 256, batch 4 x 256, fresh process per plan
+MEMORY_PLANS = ("", "0-7=mlp", "0-7=full")
+MEMORY_LAYERS, MEMORY_BATCH, MEMORY_SEQ = 8, 4, 256
+
+
+def _version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def _allreduce_ms(group, n: int, reps: int) -> float:
+    buf = np.ones(n, dtype=np.float32)
+    times = []
+    for _ in range(reps + 1):
+        group.barrier()
+        start = time.perf_counter()
+        group.all_reduce(buf)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times[1:])) * 1e3
+
+
+def _size(group, size, warm: int, reps: int, keep_trace: bool) -> dict:
+    import mindspore as ms
+    import ms_models
+    from ms_recompute import RecomputePlan
+    from ms_recompute.runtime import apply_plan, tp_model
+
+    hidden, heads, kv, inter = size
+    config = ms_models.tiny_config(
+        "llama",
+        num_hidden_layers=LAYERS,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        intermediate_size=inter,
+        head_dim=hidden // heads,
+    )
+    model, _ = tp_model(ms_models.from_config(config, seed=0), group)
+    layers = model.model.layers
+    weights = [p for layer in layers for p in layer.trainable_params()]
+    rng = np.random.default_rng(0)
+    x = ms.Tensor(rng.normal(size=(BATCH, SEQ, hidden)).astype(np.float32))
+    dout = ms.Tensor(rng.normal(size=(BATCH, SEQ, hidden)).astype(np.float32))
+    cos, sin = model.model.rotary_emb(ms.Tensor(np.tile(np.arange(SEQ, dtype=np.int32), (BATCH, 1))))
+    allowed = ms.Tensor(np.tril(np.ones((SEQ, SEQ), bool))[None, None])
+
+    def block(x):
+        for layer in layers:
+            x = layer(x, cos, sin, allowed)
+        return x
+
+    backward = ms.grad(block, grad_position=0, weights=weights, sens_param=True)
+    plans = {m: RecomputePlan.parse(f"0-{LAYERS - 1}=full", LAYERS, overlap=m == "paired", comms=1) for m in MODES}
+    measured = {m: [] for m in MODES}  # per repetition: (recompute s, step s, blocked-in-wait s)
+    traces = {}
+    for rep in range(warm + reps):
+        for mode in MODES if rep % 2 == 0 else MODES[::-1]:  # alternate which mode goes first
+            with apply_plan(model, plans[mode], trace=True) as applied:
+                group.barrier()
+                start = time.perf_counter()
+                dx, _ = backward(x, dout)
+                dx.asnumpy()
+                step = time.perf_counter() - start
+                waits = sum(e.end - e.start for e in applied.events if e.op == "wait")
+                if rep >= warm:
+                    measured[mode].append((applied.recompute_s, step, waits))
+                if keep_trace and rep == warm + reps - 1:
+                    traces[mode] = [
+                        {
+                            "rank": group.rank,
+                            "layer": e.layer,
+                            "op": e.op,
+                            "index": e.index,
+                            "start": e.start,
+                            "end": e.end,
+                        }
+                        for e in applied.events
+                    ]
+    out = {}
+    for mode in MODES:
+        arr = np.array(measured[mode], dtype=np.float64)
+        group.all_reduce(arr, op="max")  # the slowest rank decides a step
+        out[mode] = {"median": np.median(arr, axis=0).tolist(), "min": arr.min(axis=0).tolist()}
+    out["allreduce_ms"] = _allreduce_ms(group, BATCH * SEQ * hidden, reps=5)
+    out["traces"] = traces
+    return out
+
+
+def _bench(group, sizes, warm: int, reps: int, trace_size: int) -> list[dict]:
+    import mindspore as ms
+    from mindspore import device_context
+
+    ms.set_device("CPU")
+    device_context.cpu.op_tuning.threads_num(1)  # one compute thread per rank: 2 ranks on 2 cores, gloo beside them
+    return [_size(group, size, warm, reps, i == trace_size) for i, size in enumerate(sizes)]
+
+
+def _rss_mib() -> tuple[float, float]:
+    """(current, peak) resident set of this process, MiB, from /proc (Linux)."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            fields[key] = value
+    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
+
+
+def _memory(group, spec: str) -> dict:
+    """One training step of a single-device model under ``spec``: what the tape keeps (meter), and
+    the process's resident memory after the forward and at its peak, above the state before it."""
+    import gc
+
+    import mindspore as ms
+    import ms_models
+    from mindspore import ops
+    from ms_recompute import RecomputePlan, Shape, model_memory, predict
+    from ms_recompute.runtime import SavedTensorMeter, apply_plan
+
+    ms.set_device("CPU")
+    config = ms_models.tiny_config(
+        "llama",
+        num_hidden_layers=MEMORY_LAYERS,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        head_dim=64,
+    )
+    model = ms_models.from_config(config, seed=0)
+    ids = ms.Tensor(
+        np.random.default_rng(0).integers(0, config.vocab_size, (MEMORY_BATCH, MEMORY_SEQ)).astype(np.int32)
+    )
+    params = model.trainable_params()
+    marks = {}
+
+    def loss(ids):
+        out = ops.cross_entropy(model(ids).reshape(-1, config.vocab_size), ids.reshape(-1))
+        out.asnumpy()
+        gc.collect()
+        marks["after_forward"] = _rss_mib()[0]
+        return out
+
+    plan = RecomputePlan.parse(spec, MEMORY_LAYERS, comms=0)
+    # warm-up without gradients: kernels built, and the pool holds one forward's temporaries. A warm-up
+    # step with gradients would leave the pool holding a whole step, and RSS would not move at all.
+    model(ids).asnumpy()
+    with apply_plan(model, plan) as applied:
+        gc.collect()
+        start = _rss_mib()[0]
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak (VmHWM) to the current resident set
+        with SavedTensorMeter(exclude=model.get_parameters(), runners=[applied.runner]) as meter:
+            ms.grad(loss, grad_position=None, weights=params)(ids)[0].asnumpy()
+    layers = model_memory(config, Shape(MEMORY_BATCH, MEMORY_SEQ))
+    return {
+        "plan": spec or "none",
+        "formula_kept_MiB": round(predict(plan, layers).kept_bytes / 2**20, 1),
+        "tape_kept_MiB": round(meter.bytes / 2**20, 1),
+        "rss_after_forward_MiB": round(marks["after_forward"] - start, 1),
+        "rss_peak_MiB": round(_rss_mib()[1] - start, 1),
+    }
+
+
+def _rows(sizes, results) -> list[dict]:
+    """Per size: the recompute part of a step, sequential vs paired. The machine is shared, so a
+    repetition can be slowed by anything else running: the minimum over repetitions is the figure
+    least disturbed (timeit's reasoning), the median is shown beside it. ``comm_bound_%`` is the most
+    any overlap could save: the recompute's all-reduces, timed alone, over the sequential minimum."""
+    rows = []
+    for size, r in zip(sizes, results[0]):
+        hidden = size[0]
+        seq, pair = r["sequential"], r["paired"]
+        rows.append(
+            {
+                "hidden": hidden,
+                "tokens": BATCH * SEQ,
+                "allreduce_MB": round(BATCH * SEQ * hidden * 4 / 2**20, 2),
+                "allreduce_ms": round(r["allreduce_ms"], 2),
+                "recompute_ms_sequential": round(seq["min"][0] * 1e3, 1),
+                "recompute_ms_paired": round(pair["min"][0] * 1e3, 1),
+                "paired/sequential": round(pair["min"][0] / seq["min"][0], 3),
+                "comm_bound_%": round(100 * LAYERS * r["allreduce_ms"] / (seq["min"][0] * 1e3), 1),
+                "median_ms_sequential": round(seq["median"][0] * 1e3, 1),
+                "median_ms_paired": round(pair["median"][0] * 1e3, 1),
+                "blocked_ms_sequential": round(seq["median"][2] * 1e3, 1),
+                "blocked_ms_paired": round(pair["median"][2] * 1e3, 1),
+                "step_ms_sequential": round(seq["min"][1] * 1e3, 1),
+                "step_ms_paired": round(pair["min"][1] * 1e3, 1),
+            }
+        )
+    return rows
+
+
+def _print(rows: list[dict], title: str) -> None:
+    columns = list(rows[0])
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(title)
+        print("  ".join(columns))
+        for row in rows:
+            print("  ".join(str(row[c]) for c in columns))
+        return
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c, justify="right")
+    for row in rows:
+        table.add_row(*(str(row[c]) for c in columns))
+    Console().print(table)
+
+
+def _first_two_layers(events: list[dict]) -> list[dict]:
+    """One rank's steps of the first recomputes its backward ran: one pair, or two layers alone."""
+    out, current, layers = [], [], 0
+    for e in events:
+        if e["op"] != "recompute":
+            current.append(e)
+            continue
+        out, current, layers = out + current, [], layers + e["index"]  # index: layers in that recompute
+        if layers >= 2:
+            break
+    return out
+
+
+def _plot(trace: dict, path: Path) -> None:
+    """Draw the measured steps of layers 3 and 2, sequential above paired, both ranks."""
+    from ms_recompute.draw import draw_timeline
+
+    panels = {}
+    captions = {
+        "sequential": "each layer alone: 3, then (after layer 3's backward) 2",
+        "paired": "paired: 3 and 2 together, each all-reduce under the partner's compute",
+    }
+    for mode in MODES:
+        ranks = sorted({e["rank"] for e in trace[mode]})
+        panels[captions[mode]] = [
+            e for rank in ranks for e in _first_two_layers([x for x in trace[mode] if x["rank"] == rank])
+        ]
+    title = (
+        f"Recompute of two TP Llama layers on 2 CPU ranks (gloo), hidden {trace['hidden']},"
+        f" {BATCH}x{SEQ} tokens: measured timestamps"
+    )
+    draw_timeline(panels, path, title)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one size, few repetitions (smoke test)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/recompute.json"))
+    parser.add_argument("--plot", type=Path, help="also draw the measured timeline of one pair (PNG)")
+    parser.add_argument("--replot", action="store_true", help="only redraw --plot from the trace in --out")
+    args = parser.parse_args(argv)
+    if args.replot:
+        _plot(json.loads(args.out.read_text())["trace"], args.plot)
+        return 0
+    sizes = list(QUICK_SIZES if args.quick else FULL_SIZES)
+    warm, reps = (1, 2) if args.quick else (1, 5)
+    trace_size = len(sizes) // 2
+    start = time.perf_counter()
+    results = run_local(_bench, NPROCS, backend="gloo", args=(sizes, warm, reps, trace_size), timeout=3000)
+    rows = _rows(sizes, results)
+    title = f"recompute: {LAYERS} TP layers on {NPROCS} CPU ranks, recompute part of a backward (min over reps)"
+    _print(rows, title)
+    memory = [run_local(_memory, 1, backend="gloo", args=(spec,), timeout=1200)[0] for spec in MEMORY_PLANS]
+    _print(memory, f"memory: {MEMORY_LAYERS} Llama layers, hidden 256, {MEMORY_BATCH}x{MEMORY_SEQ} tokens, fp32")
+    result = {
+        "benchmark": "recompute",
+        "title": f"paired vs sequential full recompute, {LAYERS} TP Llama layers on {NPROCS} CPU ranks (gloo)",
+        "machine": {
+            "nproc": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+            "torch": _version("torch"),
+            "mindspore": _version("mindspore"),
+            "ranks": NPROCS,
+            "load_avg_1min": round(os.getloadavg()[0], 1),
+        },
+        "quick": args.quick,
+        "wall_s": round(time.perf_counter() - start, 1),
+        "rows": rows,
+        "memory_rows": memory,
+        "trace": {
+            "hidden": sizes[trace_size][0],
+            **{m: [e for r in results for e in r[trace_size]["traces"][m]] for m in MODES},
+        },
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(args.out)  # written whole or not at all
+    print(f"wrote {args.out} ({result['wall_s']} s)")
+    if args.plot:
+        _plot(result["trace"], args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -122,6 +122,9 @@ def test_plan_round_trips_and_validates():
     with pytest.raises(PackingError, match="limits"):
         PackPlan.from_dict(bad)
     assert "lower bound" in str(plan)
+    import ms_layout
+
+    assert ms_layout.loads(ms_layout.dumps(plan), expect="PackPlan") == plan
 
 
 def test_exhaustive_reference_agrees_with_brute_force():

@@ -45,6 +45,9 @@ def test_restore_is_the_inverse_permutation(size, strategy, rnd):
     outputs = [[f"out{r}" for r in inst] for inst in a.instances]  # what each instance returns
     assert a.restore(outputs) == [f"out{r}" for r in range(prompts * n)]
     assert Assignment.from_dict(a.to_dict()) == a
+    import ms_layout
+
+    assert ms_layout.loads(ms_layout.dumps(a), expect="Assignment") == a
 
 
 def test_contiguous_keeps_groups_together():

@@ -19,9 +19,12 @@ from .errors import CheckpointError, PackingError, RLHFError
 from .loss import AGGREGATIONS, Row, build_row, group_advantages, reference_loss, sample_weights, token_terms
 from .packing import Pack, PackPlan, lower_bound, next_fit, pack, padding_ratio, plan_packs, token_bound
 from .sampling import Assignment, balanced_split, contiguous_split, split, uniform_split
+from .serialize import register as _register
 from .tasks import CharTokenizer, Prompt, PromptStream, make_task
 
 __version__ = "0.1.0"
+
+_register()  # PackPlan / Assignment into ms_layout.dumps/loads, where ms-layout is installed
 
 _RUNTIME = {
     "GRPOTrainer": "ms_rlhf.runtime.trainer",

@@ -53,8 +53,8 @@ def layouts(config, world: int, sharded: bool, shapes: Mapping[str, tuple[int, .
 
 
 class WeightSync:
-    """Plans from the master layout to the replicated model layout (and the identity between
-    replicas), planned once; `run` moves one set of weights into one model."""
+    """The plan from the master layout to the replicated model layout, made once; `run` moves one
+    set of master-layout weights into one model's Parameters."""
 
     def __init__(self, config, group, sharded: bool):
         import ms_models

@@ -6,8 +6,6 @@ import pytest
 from ms_recompute import RecomputeError, pair_layers
 from ms_recompute.draw import draw_timeline
 
-pytest.importorskip("matplotlib")
-
 
 def fake_trace(rank: int, paired: bool) -> list[dict]:
     """Steps of a pair's order at 1 ms each (only the drawing is under test here)."""

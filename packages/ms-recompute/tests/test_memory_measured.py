@@ -10,15 +10,13 @@ reads (RoPE cos/sin, the mask: ``shared_bytes``), which a checkpoint holds once.
 
 from __future__ import annotations
 
+import mindspore as ms
+import ms_models
 import numpy as np
 import pytest
-
-ms = pytest.importorskip("mindspore")
-ms_models = pytest.importorskip("ms_models")
-
-from mindspore import ops  # noqa: E402
-from ms_recompute import Granularity, RecomputePlan, Shape, model_memory, plan_recompute, shared_bytes  # noqa: E402
-from ms_recompute.runtime import SavedTensorMeter, apply_plan  # noqa: E402
+from mindspore import ops
+from ms_recompute import Granularity, RecomputePlan, Shape, model_memory, plan_recompute, shared_bytes
+from ms_recompute.runtime import SavedTensorMeter, apply_plan
 
 pytestmark = pytest.mark.needs_mindspore
 ms.set_device("CPU")

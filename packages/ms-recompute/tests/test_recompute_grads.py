@@ -4,15 +4,13 @@ backward ms-pipeline runs (input gradients first, weight gradients in a second p
 
 from __future__ import annotations
 
+import mindspore as ms
+import ms_models
 import numpy as np
 import pytest
-
-ms = pytest.importorskip("mindspore")
-ms_models = pytest.importorskip("ms_models")
-
-from mindspore import ops  # noqa: E402
-from ms_recompute import RecomputeError, RecomputePlan  # noqa: E402
-from ms_recompute.runtime import apply_plan, checkpoint  # noqa: E402
+from mindspore import ops
+from ms_recompute import RecomputeError, RecomputePlan
+from ms_recompute.runtime import apply_plan, checkpoint
 
 pytestmark = pytest.mark.needs_mindspore
 TOL = 1e-6

@@ -64,7 +64,8 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     plan = plan_recompute(
         layers, budget, flops_per_s=rate, comm_s=args.comm_ms / 1e3, overlap=args.overlap, method=args.method
     )
-    full = predict(RecomputePlan.uniform(len(layers), Granularity.FULL, overlap=args.overlap), layers, flops_per_s=rate)
+    every = RecomputePlan.uniform(len(layers), Granularity.FULL, overlap=args.overlap)
+    full = predict(every, layers, flops_per_s=rate, comm_s=args.comm_ms / 1e3)
     kinds = {}
     for m in layers:
         kinds.setdefault(m.kind, m)

@@ -254,7 +254,9 @@ class Runner:
         partner has not been recomputed yet -- in the order of their group."""
         group = self.groups.get(checkpoint.layer)
         partner = checkpoint.partner
-        if group is not None and group.paired and partner is not None and partner.values is None:
+        # the partner must still wait for its recompute, and be from a forward that recorded (a forward
+        # without gradients -- ms-pipeline's F pass -- opens checkpoints that never pack anything)
+        if group is not None and group.paired and partner is not None and partner.values is None and partner.count:
             runs = {partner.layer: _Run(partner), checkpoint.layer: _Run(checkpoint)}
             order = group.order
         else:  # alone: its segments one after another, each collective awaited before the next

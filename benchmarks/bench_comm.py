@@ -12,15 +12,14 @@ mccl has no all_to_all, so that row has no MindSpore figure.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 import time
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
+from _common import package_version, print_table, write_result
 
 from ms_layout.comm import CommUnsupportedError, run_local
 
@@ -73,13 +72,6 @@ def _busbw(op: str, nbytes: int, seconds: float, n: int = NPROCS) -> float:
     return nbytes / seconds * factor / 1e9
 
 
-def _version(name: str) -> str | None:
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
-
-
 def _rows(gloo: dict, ms: dict | None, sizes_mb: list[int]) -> list[dict]:
     rows = []
     for op in ("all_reduce", "all_to_all"):
@@ -104,27 +96,6 @@ def _rows(gloo: dict, ms: dict | None, sizes_mb: list[int]) -> list[dict]:
     return rows
 
 
-def _print(rows: list[dict], title: str) -> None:
-    cells = [{k: ("n/a" if v is None else str(v)) for k, v in row.items()} for row in rows]
-    columns = list(rows[0])
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        print(title)
-        widths = {c: max(len(c), *(len(r[c]) for r in cells)) for c in columns}
-        print("  ".join(c.rjust(widths[c]) for c in columns))
-        for r in cells:
-            print("  ".join(r[c].rjust(widths[c]) for c in columns))
-        return
-    table = Table(title=title)
-    for c in columns:
-        table.add_column(c, justify="right")
-    for r in cells:
-        table.add_row(*(r[c] for c in columns))
-    Console().print(table)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 and 4 MB only (smoke test)")
@@ -136,11 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     gloo = run_local(_bench, NPROCS, backend="gloo", args=(sizes,), timeout=300)[0]
     ms = None
-    if not args.no_mindspore and _version("mindspore"):
+    if not args.no_mindspore and package_version("mindspore"):
         ms = run_local(_bench, NPROCS, backend="mindspore", args=(sizes,), timeout=300)[0]
     rows = _rows(gloo, ms, sizes)
     title = f"comm: {NPROCS} local CPU ranks, float32, median time and bus bandwidth"
-    _print(rows, title)
+    print_table(rows, title)
     result = {
         "benchmark": "comm",
         "title": f"{NPROCS} local CPU ranks, float32: gloo vs MindSpore mccl",
@@ -149,19 +120,15 @@ def main(argv: list[str] | None = None) -> int:
             "platform": platform.platform(),
             "python": platform.python_version(),
             "numpy": np.__version__,
-            "torch": _version("torch"),
-            "mindspore": _version("mindspore"),
+            "torch": package_version("torch"),
+            "mindspore": package_version("mindspore"),
             "ranks": NPROCS,
         },
         "quick": args.quick,
         "wall_s": round(time.perf_counter() - start, 1),
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(args.out)  # written whole or not at all
-    print(f"wrote {args.out} ({result['wall_s']} s)")
+    write_result(args.out, result)
     return 0
 
 

@@ -13,25 +13,17 @@ reported separately). MoE layers run the "dense" expert path, the one that compi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 import tempfile
 import time
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
+from _common import package_version, print_table, write_result
 
 ARCHS = ("llama", "qwen2", "deepseek_v3")
-
-
-def _version(name: str) -> str | None:
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
 
 
 def _mindspore_step(model, jit: bool):
@@ -116,7 +108,7 @@ def _rows(batch: int, seq: int, warmup: int, reps: int) -> list[dict]:
                 "pynative": _mindspore_run(model, ids, labels, False),
                 "jit": _mindspore_run(model, ids, labels, True),
             }
-            if _version("torch") and _version("transformers"):
+            if package_version("torch") and package_version("transformers"):
                 fns["torch"] = _torch_run(path, ids, labels)
             first, best = _interleaved(fns, warmup, reps)
             row = {
@@ -137,27 +129,6 @@ def _rows(batch: int, seq: int, warmup: int, reps: int) -> list[dict]:
     return rows
 
 
-def _print(rows: list[dict], title: str) -> None:
-    cells = [{k: ("n/a" if v is None else str(v)) for k, v in row.items()} for row in rows]
-    columns = list(rows[0])
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        print(title)
-        widths = {c: max(len(c), *(len(r[c]) for r in cells)) for c in columns}
-        print("  ".join(c.rjust(widths[c]) for c in columns))
-        for r in cells:
-            print("  ".join(r[c].rjust(widths[c]) for c in columns))
-        return
-    table = Table(title=title)
-    for c in columns:
-        table.add_column(c, justify="right")
-    for r in cells:
-        table.add_row(*(r[c] for c in columns))
-    Console().print(table)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short sequences, few repetitions (smoke test)")
@@ -168,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     rows = _rows(batch, seq, warmup, reps)
     title = f"models: forward+backward tokens/s, batch {batch} x seq {seq}, float32 CPU"
-    _print(rows, title)
+    print_table(rows, title)
     result = {
         "benchmark": "models",
         "title": f"tiny configs, forward+backward tokens/s (batch {batch} x seq {seq}): PyNative vs mindspore.jit, "
@@ -178,19 +149,15 @@ def main(argv: list[str] | None = None) -> int:
             "platform": platform.platform(),
             "python": platform.python_version(),
             "numpy": np.__version__,
-            "mindspore": _version("mindspore"),
-            "torch": _version("torch"),
-            "transformers": _version("transformers"),
+            "mindspore": package_version("mindspore"),
+            "torch": package_version("torch"),
+            "transformers": package_version("transformers"),
         },
         "quick": args.quick,
         "wall_s": round(time.perf_counter() - start, 1),
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(args.out)  # written whole or not at all
-    print(f"wrote {args.out} ({result['wall_s']} s)")
+    write_result(args.out, result)
     return 0
 
 

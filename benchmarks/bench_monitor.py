@@ -17,7 +17,6 @@ noise on a shared machine does not blur.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one compute thread: the agent's thread competes with it
@@ -28,10 +27,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
+from _common import package_version, print_table, write_result
 from ms_monitor import Monitor
 
 STEP_S = 0.05
@@ -174,34 +173,6 @@ def rows_for(kind: str, times: dict[str, list[list[float]]], cpu: dict[str, floa
     return rows
 
 
-def _version(name: str) -> str | None:
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
-
-
-def _print(rows: list[dict], title: str) -> None:
-    cells = [{k: ("n/a" if v is None else str(v)) for k, v in row.items()} for row in rows]
-    columns = list(dict.fromkeys(k for row in rows for k in row))
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        print(title)
-        widths = {c: max(len(c), *(len(r.get(c, "")) for r in cells)) for c in columns}
-        print("  ".join(c.rjust(widths[c]) for c in columns))
-        for r in cells:
-            print("  ".join(r.get(c, "").rjust(widths[c]) for c in columns))
-        return
-    table = Table(title=title)
-    for c in columns:
-        table.add_column(c, justify="right")
-    for r in cells:
-        table.add_row(*(r.get(c, "") for c in columns))
-    Console().print(table)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps (smoke test)")
@@ -234,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     )
     title = "monitor: agent overhead on a 50 ms step (1 step + 4 ranges), interleaved with no agent"
-    _print(rows, title)
+    print_table(rows, title)
     result = {
         "benchmark": "monitor",
         "title": "agent overhead on a 50 ms step vs no agent (same run, interleaved blocks)",
@@ -243,19 +214,15 @@ def main(argv: list[str] | None = None) -> int:
             "platform": platform.platform(),
             "python": platform.python_version(),
             "numpy": np.__version__,
-            "msgpack": _version("msgpack"),
-            "ms-monitor": _version("ms-monitor"),
+            "msgpack": package_version("msgpack"),
+            "ms-monitor": package_version("ms-monitor"),
             "load_avg_1m": round(os.getloadavg()[0], 2),
         },
         "quick": args.quick,
         "wall_s": round(time.perf_counter() - start, 1),
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(args.out)  # written whole or not at all
-    print(f"wrote {args.out} ({result['wall_s']} s)")
+    write_result(args.out, result)
     return 0
 
 

@@ -20,21 +20,14 @@ import statistics
 import sys
 import tempfile
 import time
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
+from _common import package_version, write_result
 
 MODES = ("none", "statistics", "tensor")
 SMALL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, head_dim=32)  # fmt: skip
-
-
-def _version(name: str) -> str | None:
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
 
 
 def _folder_mb(path: Path, pattern: str = "*.npy") -> float:
@@ -191,20 +184,16 @@ def main() -> int:
             "platform": platform.platform(),
             "python": platform.python_version(),
             "numpy": np.__version__,
-            "mindspore": _version("mindspore"),
-            "torch": _version("torch"),
-            "transformers": _version("transformers"),
+            "mindspore": package_version("mindspore"),
+            "torch": package_version("torch"),
+            "transformers": package_version("transformers"),
             "load_average_1min": [round(load_before, 1), round(os.getloadavg()[0], 1)],
         },
         "quick": args.quick,
         "wall_s": round(time.perf_counter() - start, 1),
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(args.out)
-    print(f"wrote {args.out} ({result['wall_s']} s)")
+    write_result(args.out, result)
     return 0
 
 

@@ -23,10 +23,10 @@ import os
 import platform
 import sys
 import time
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
+from _common import package_version, write_result
 
 from ms_layout.comm import run_local
 
@@ -40,13 +40,6 @@ MODES = ("sequential", "paired")
 # memory check: 8 single-device Llama layers, hidden 256, batch 4 x 256, fresh process per plan
 MEMORY_PLANS = ("", "0-7=mlp", "0-7=full")
 MEMORY_LAYERS, MEMORY_BATCH, MEMORY_SEQ = 8, 4, 256
-
-
-def _version(name: str) -> str | None:
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
 
 
 def _allreduce_ms(group, n: int, reps: int) -> float:
@@ -313,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
             "platform": platform.platform(),
             "python": platform.python_version(),
             "numpy": np.__version__,
-            "torch": _version("torch"),
-            "mindspore": _version("mindspore"),
+            "torch": package_version("torch"),
+            "mindspore": package_version("mindspore"),
             "ranks": NPROCS,
             "load_avg_1min": round(os.getloadavg()[0], 1),
         },
@@ -327,11 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             **{m: [e for r in results for e in r[trace_size]["traces"][m]] for m in MODES},
         },
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.replace(args.out)  # written whole or not at all
-    print(f"wrote {args.out} ({result['wall_s']} s)")
+    write_result(args.out, result, indent=1)
     if args.plot:
         _plot(result["trace"], args.plot)
     return 0

@@ -7,6 +7,8 @@ import argparse
 import json
 from pathlib import Path
 
+from _common import print_table
+
 
 def _cell(value: object) -> str:
     if value is None:
@@ -26,30 +28,13 @@ def _columns(rows: list[dict]) -> list[str]:
 
 
 def print_results(results: list[tuple[str, dict]]) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:  # plain text is enough for a log
-        Console = Table = None
     for name, result in results:
         rows = result.get("rows", [])
         if not rows:
             continue
         columns = _columns(rows)
         title = f"{result.get('benchmark', name)}: {result.get('title', '')}".rstrip(": ")
-        if Table is None:
-            print(title)
-            print("  ".join(columns))
-            for row in rows:
-                print("  ".join(_cell(row.get(c)) for c in columns))
-            print()
-            continue
-        table = Table(title=title)
-        for column in columns:
-            table.add_column(column, justify="right")
-        for row in rows:
-            table.add_row(*(_cell(row.get(c)) for c in columns))
-        Console().print(table)
+        print_table([{c: _cell(row.get(c)) for c in columns} for row in rows], title)
 
 
 def markdown(results: list[tuple[str, dict]]) -> str:

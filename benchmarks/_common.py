@@ -1,0 +1,51 @@
+"""What every benchmark script shares: package versions, the printed table, the JSON result.
+
+Scripts run as `python benchmarks/bench_<name>.py`, so this folder is on sys.path and they import
+it as `from _common import ...`.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+
+def package_version(name: str) -> str | None:
+    """The installed version of a distribution, or None when it is not installed."""
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def print_table(rows: list[dict], title: str) -> None:
+    """Rows as one table (rich if importable, aligned plain text otherwise); None prints as n/a."""
+    cells = [{k: ("n/a" if v is None else str(v)) for k, v in row.items()} for row in rows]
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(title)
+        widths = {c: max(len(c), *(len(r.get(c, "")) for r in cells)) for c in columns}
+        print("  ".join(c.rjust(widths[c]) for c in columns))
+        for r in cells:
+            print("  ".join(r.get(c, "").rjust(widths[c]) for c in columns))
+        return
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c, justify="right")
+    for r in cells:
+        table.add_row(*(r.get(c, "") for c in columns))
+    Console().print(table)
+
+
+def write_result(path: Path, result: dict, indent: int = 2) -> None:
+    """Write the result JSON whole or not at all (a temporary name, then a rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=indent) + "\n")
+    tmp.replace(path)
+    suffix = f" ({result['wall_s']} s)" if "wall_s" in result else ""
+    print(f"wrote {path}{suffix}")

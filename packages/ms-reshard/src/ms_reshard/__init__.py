@@ -7,6 +7,9 @@ safetensors and tqdm.
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from . import serialize as _serialize  # registers the plan kinds with ms_layout.dumps/loads
 from .errors import ReshardError
 from .fusion import DEFAULT_FUSIONS, FusionRule, load_rules, rules_from_data
@@ -41,9 +44,19 @@ __all__ = [
     "plan",
     "plan_from_bytes",
     "plan_to_bytes",
+    "reshard_parameters",
     "rules_from_data",
     "stored_layout",
     "validate",
 ]
 
 del _serialize
+
+# The online executor imports MindSpore: loaded on first use so that the core stays numpy-only.
+_LAZY = {"reshard_parameters": ".execute"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'ms_reshard' has no attribute {name!r}")

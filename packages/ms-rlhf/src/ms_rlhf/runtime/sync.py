@@ -6,7 +6,7 @@ split along dim 0 over the DP ranks (``ms_reshard.stored_layout``), each rank up
 shard with its share of Adam state (ZeRO). Three models read them: the training model (full
 weights for forward/backward), the rollout model and the reference model. Each read is an
 ``ms_reshard`` ModelPlan, planned once and run after every optimizer step with
-``ms_reshard.execute.reshard_parameters``, which writes the target Parameters in place:
+``ms_reshard.reshard_parameters``, which writes the target Parameters in place:
 
 * one rank: source and target layouts are the same, so the plan is all local copies;
 * sharded master to replicated models: the plan is an all-gather, moving exactly the bytes each
@@ -77,7 +77,7 @@ class WeightSync:
 
     def run(self, src: Mapping[str, object], dst: Mapping[str, object]) -> SyncStats:
         """Move master-layout shards `src` ({name: Parameter/array}) into a model's Parameters `dst`."""
-        from ms_reshard.execute import reshard_parameters
+        from ms_reshard import reshard_parameters
 
         start = time.perf_counter()
         reshard_parameters(self.to_replica, self.group, src, dst)

@@ -9,8 +9,17 @@ import pytest
 
 
 def test_importing_the_core_does_not_load_mindspore():
-    code = "import sys, ms_reshard; sys.exit('mindspore' in sys.modules)"
+    code = "import sys, ms_reshard; sys.exit('mindspore' in sys.modules or 'safetensors' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_checkpoint_functions_are_exported():
+    import ms_reshard
+    from ms_reshard import checkpoint
+
+    for name in ("save_checkpoint", "load_checkpoint", "load_manifest", "reshard_checkpoint"):
+        assert getattr(ms_reshard, name) is getattr(checkpoint, name)
+        assert name in ms_reshard.__all__
 
 
 @pytest.mark.needs_mindspore

@@ -1,8 +1,9 @@
 """ms-reshard: plan and run the resharding of tensors and models between any two layouts.
 
-The planner, the plans and ``apply_local`` need numpy and msgpack only; ``ms_reshard.execute``
-(the online executor) loads MindSpore and ``ms_layout.comm``; ``ms_reshard.checkpoint`` needs
-safetensors and tqdm.
+The planner, the plans and ``apply_local`` need numpy and msgpack only; ``reshard_parameters``
+(the online executor) loads MindSpore and ``ms_layout.comm`` when first named; the checkpoint
+functions (``save_checkpoint``, ``load_checkpoint``, ``reshard_checkpoint``) need safetensors and
+tqdm when called.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import importlib
 from typing import Any
 
 from . import serialize as _serialize  # registers the plan kinds with ms_layout.dumps/loads
+from .checkpoint import load_checkpoint, load_manifest, reshard_checkpoint, save_checkpoint
 from .errors import ReshardError
 from .fusion import DEFAULT_FUSIONS, FusionRule, load_rules, rules_from_data
 from .local import apply_local, apply_model_local
@@ -38,14 +40,18 @@ __all__ = [
     "apply_local",
     "apply_model_local",
     "format_plan",
+    "load_checkpoint",
+    "load_manifest",
     "load_rules",
     "model_plan",
     "param_specs",
     "plan",
     "plan_from_bytes",
     "plan_to_bytes",
+    "reshard_checkpoint",
     "reshard_parameters",
     "rules_from_data",
+    "save_checkpoint",
     "stored_layout",
     "validate",
 ]

@@ -1,0 +1,137 @@
+"""The tiny DeepSeek-V3-style model the pair tests share, cut into pipeline blocks.
+
+Only public names of the packages are used. The model is ms-models' tiny DeepSeek-V3 (MLA with
+low-rank q/kv and decoupled YaRN RoPE, 1 dense layer then DeepSeekMoE layers) with 4 decoder
+layers and no MTP module (the pipeline trains the main model only). It is cut at the natural
+seams into blocks -- the embedding, each decoder layer, and a head (final norm, LM head,
+cross-entropy) -- and each layer block derives its RoPE angles and causal mask from the hidden
+state's shape, so the only tensor that crosses stages is the hidden state [MB, SEQ, H].
+
+ZeroBubbleV on 2 ranks has 4 stages (rank 0: stages 0 and 3, rank 1: stages 1 and 2); COUNTS puts
+[embed + layer 0], [layers 1-2], [layer 3], [head] on them, so each rank holds decoder layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+MB, SEQ, M = 2, 6, 4  # microbatch size, sequence length, microbatches per step
+LAYERS = 4
+COUNTS = (2, 2, 1, 1)  # blocks per stage: embed+L0 | L1 L2 | L3 | head
+SCHEDULE = "zbv"
+LOSS_TOL = 1e-5  # fp32, the same ops in a different grouping (per-stage ms.grad vs one graph)
+GRAD_TOL = 1e-5
+
+
+def setup() -> None:
+    import mindspore as ms
+
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    ms.set_device("CPU")
+
+
+def config(**overrides: Any):
+    import ms_models
+
+    return ms_models.tiny_config("deepseek_v3", num_hidden_layers=LAYERS, num_nextn_predict_layers=0, **overrides)
+
+
+def model(seed: int = 0):
+    """The tiny DeepSeek-V3 (same weights in every process for the same seed)."""
+    import ms_models
+
+    setup()
+    return ms_models.from_config(config(), seed=seed)
+
+
+def data(vocab: int, seed: int = 3) -> tuple[list, list]:
+    """M microbatches of ids [MB, SEQ] and their next-token labels, as MindSpore tensors."""
+    import mindspore as ms
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, (M, MB, SEQ + 1)).astype(np.int32)
+    return [ms.Tensor(x[:, :-1]) for x in ids], [ms.Tensor(x[:, 1:]) for x in ids]
+
+
+def blocks(net) -> list:
+    """embed, layer 0..LAYERS-1, head, as Cells whose parameters keep their HF names."""
+    import mindspore as ms
+    from mindspore import nn, ops
+
+    class EmbedBlock(nn.Cell):
+        def __init__(self, embed):
+            super().__init__()
+            self.embed = embed
+
+        def construct(self, ids):
+            return self.embed(ids)
+
+    class LayerBlock(nn.Cell):
+        def __init__(self, layer, rotary):
+            super().__init__()
+            self.layer, self.rotary = layer, rotary
+
+        def construct(self, x):
+            b, s = x.shape[0], x.shape[1]
+            positions = ops.broadcast_to(ops.arange(0, s, 1, dtype=ms.int32).expand_dims(0), (b, s))
+            cos, sin = self.rotary(positions)
+            allowed = (ops.tril(ops.ones((s, s), ms.float32)) > 0.5).expand_dims(0).expand_dims(1)
+            return self.layer(x, cos, sin, allowed)
+
+    class HeadBlock(nn.Cell):
+        def __init__(self, norm, lm_head):
+            super().__init__()
+            self.norm, self.lm_head = norm, lm_head
+
+        def construct(self, x, labels):
+            logits = self.lm_head(self.norm(x))
+            return ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+    hf_names = {id(p): p.name for p in net.trainable_params()}
+    inner = net.model
+    out = [EmbedBlock(inner.embed_tokens)]
+    out += [LayerBlock(layer, inner.rotary_emb) for layer in inner.layers]
+    out.append(HeadBlock(inner.norm, net.lm_head))
+    for block in out:  # wrapping renames parameters: restore the HF names
+        for p in block.trainable_params():
+            p.name = hf_names[id(p)]
+    return out
+
+
+def stage_layers(net, stage: int) -> list:
+    """The decoder layers (ms_models layer Cells) that stage `stage` holds under COUNTS."""
+    start = sum(COUNTS[:stage])
+    return [net.model.layers[i - 1] for i in range(start, start + COUNTS[stage]) if 1 <= i <= LAYERS]
+
+
+def pipeline_runtime(group, net, **kwargs):
+    """A ZeroBubbleV PipelineRuntime over this rank's stages of `net`."""
+    import ms_pipeline as mp
+
+    placement = mp.LayerPlacement.from_counts(list(COUNTS))
+    staged = mp.runtime.split_blocks(blocks(net), placement)
+    schedule = mp.build(SCHEDULE, group.size, M)
+    mine = {s: staged[s] for s in schedule.stages_of(group.rank)}
+    return mp.runtime.PipelineRuntime(
+        schedule, mine, group, activation_shape=(MB, SEQ, net.config.hidden_size), **kwargs
+    )
+
+
+def reference_step(net, inputs, labels) -> tuple[float, dict[str, np.ndarray]]:
+    """Single-process value_and_grad of the mean microbatch loss: (loss, {HF name: grad})."""
+    import mindspore as ms
+    from mindspore import ops
+
+    params = net.trainable_params()
+
+    def mean_loss():
+        total = ms.Tensor(0.0)
+        for ids, y in zip(inputs, labels):
+            logits = net(ids)
+            total = total + ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        return total / len(inputs)
+
+    loss, grads = ms.value_and_grad(mean_loss, None, params)()
+    return float(loss.asnumpy()), {p.name: g.asnumpy() for p, g in zip(params, grads)}

@@ -1,4 +1,4 @@
-"""What every benchmark script shares: package versions, the printed table, the JSON result.
+"""What every benchmark script shares: the machine and versions, the printed table, the JSON result.
 
 Scripts run as `python benchmarks/bench_<name>.py`, so this folder is on sys.path and they import
 it as `from _common import ...`.
@@ -7,6 +7,8 @@ it as `from _common import ...`.
 from __future__ import annotations
 
 import json
+import os
+import platform
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -17,6 +19,22 @@ def package_version(name: str) -> str | None:
         return version(name)
     except PackageNotFoundError:
         return None
+
+
+def machine_info(*packages: str, **extra: object) -> dict:
+    """Where a result was measured: cores, the 1-minute load average when the run ends (the box is
+    shared, so the load says how much to trust a timing), platform, Python, numpy and the versions
+    of `packages`, then `extra` (ranks, threads, a model config: whatever the figures depend on)."""
+    info = {
+        "nproc": os.cpu_count(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": package_version("numpy"),
+    }
+    info.update({name: package_version(name) for name in packages})
+    info.update(extra)
+    return info
 
 
 def print_table(rows: list[dict], title: str) -> None:

@@ -12,14 +12,12 @@ mccl has no all_to_all, so that row has no MindSpore figure.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from _common import package_version, print_table, write_result
+from _common import machine_info, package_version, print_table, write_result
 
 from ms_layout.comm import CommUnsupportedError, run_local
 
@@ -115,15 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "comm",
         "title": f"{NPROCS} local CPU ranks, float32: gloo vs MindSpore mccl",
-        "machine": {
-            "nproc": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "numpy": np.__version__,
-            "torch": package_version("torch"),
-            "mindspore": package_version("mindspore"),
-            "ranks": NPROCS,
-        },
+        "machine": machine_info("torch", "mindspore", ranks=NPROCS),
         "quick": args.quick,
         "wall_s": round(time.perf_counter() - start, 1),
         "rows": rows,

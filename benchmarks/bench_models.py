@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-from _common import package_version, print_table, write_result
+from _common import machine_info, package_version, print_table, write_result
 
 ARCHS = ("llama", "qwen2", "deepseek_v3")
 
@@ -144,15 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "models",
         "title": f"tiny configs, forward+backward tokens/s (batch {batch} x seq {seq}): PyNative vs mindspore.jit, "
         "HF transformers on torch as the peer",
-        "machine": {
-            "nproc": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "numpy": np.__version__,
-            "mindspore": package_version("mindspore"),
-            "torch": package_version("torch"),
-            "transformers": package_version("transformers"),
-        },
+        "machine": machine_info("mindspore", "torch", "transformers"),
         "quick": args.quick,
         "wall_s": round(time.perf_counter() - start, 1),
         "rows": rows,

@@ -22,7 +22,6 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one compute thread: the agent's thread competes with it
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import platform
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import package_version, print_table, write_result
+from _common import machine_info, print_table, write_result
 from ms_monitor import Monitor
 
 STEP_S = 0.05
@@ -209,15 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "monitor",
         "title": "agent overhead on a 50 ms step vs no agent (same run, interleaved blocks)",
-        "machine": {
-            "nproc": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "numpy": np.__version__,
-            "msgpack": package_version("msgpack"),
-            "ms-monitor": package_version("ms-monitor"),
-            "load_avg_1m": round(os.getloadavg()[0], 2),
-        },
+        "machine": machine_info("msgpack", "ms-monitor"),
         "quick": args.quick,
         "wall_s": round(time.perf_counter() - start, 1),
         "rows": rows,

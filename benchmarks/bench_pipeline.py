@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from _common import machine_info
 
 RANKS = 2
 NAMES = ("1f1b", "zbv")
@@ -140,23 +140,6 @@ def _row(name, m, per_rank):
     }
 
 
-def _machine():
-    import mindspore
-    import torch
-
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "load_average_1m_at_end": os.getloadavg()[0],
-        "mindspore": mindspore.__version__,
-        "torch": torch.__version__,
-        "ranks": RANKS,
-        "threads_per_rank": CONFIG["threads"],
-        "model": CONFIG,
-    }
-
-
 def _print(rows, title):
     columns = list(rows[0])
     try:
@@ -226,7 +209,8 @@ def main(argv=None) -> int:
         _draw(args.draw, args.trace, results, micro_counts[len(micro_counts) // 2])
     title = "ZeroBubbleV vs 1F1B, 2 CPU ranks x 1 thread, toy transformer (measured beside simulated)"
     _print(rows, title)
-    report = {"benchmark": "pipeline", "title": title, "machine": _machine(), "rows": rows}
+    machine = machine_info("mindspore", "torch", ranks=RANKS, threads_per_rank=CONFIG["threads"], model=CONFIG)
+    report = {"benchmark": "pipeline", "title": title, "machine": machine, "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -23,7 +22,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import package_version, write_result
+from _common import machine_info, write_result
 
 MODES = ("none", "statistics", "tensor")
 SMALL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
@@ -179,16 +178,7 @@ def main() -> int:
     result = {
         "benchmark": "probe",
         "title": title,
-        "machine": {
-            "nproc": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "numpy": np.__version__,
-            "mindspore": package_version("mindspore"),
-            "torch": package_version("torch"),
-            "transformers": package_version("transformers"),
-            "load_average_1min": [round(load_before, 1), round(os.getloadavg()[0], 1)],
-        },
+        "machine": machine_info("mindspore", "torch", "transformers", load_avg_1m_before=round(load_before, 2)),
         "quick": args.quick,
         "wall_s": round(time.perf_counter() - start, 1),
         "rows": rows,

@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from _common import package_version, write_result
+from _common import machine_info, write_result
 
 from ms_layout.comm import run_local
 
@@ -301,16 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "recompute",
         "title": f"paired vs sequential full recompute, {LAYERS} TP Llama layers on {NPROCS} CPU ranks (gloo)",
-        "machine": {
-            "nproc": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "numpy": np.__version__,
-            "torch": package_version("torch"),
-            "mindspore": package_version("mindspore"),
-            "ranks": NPROCS,
-            "load_avg_1min": round(os.getloadavg()[0], 1),
-        },
+        "machine": machine_info("torch", "mindspore", ranks=NPROCS),
         "quick": args.quick,
         "wall_s": round(time.perf_counter() - start, 1),
         "rows": rows,

@@ -21,11 +21,11 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
 import time
 
 import numpy as np
+from _common import machine_info
 from ms_reshard import DEFAULT_FUSIONS, PlanCache, model_plan, param_specs, plan
 from ms_reshard.plan import naive_gather_bytes
 
@@ -298,18 +298,6 @@ def _timed(fn) -> float:
 
 
 # ---------------------------------------------------------------- output
-def machine() -> dict:
-    info = {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()}
-    info["numpy"] = np.__version__
-    try:
-        import mindspore
-
-        info["mindspore"] = mindspore.__version__
-    except ImportError:
-        pass
-    return info
-
-
 def print_rows(rows: list[dict]) -> None:
     sections: dict[str, list[dict]] = {}
     for row in rows:
@@ -350,7 +338,7 @@ def main(argv=None) -> int:
     result = {
         "benchmark": "reshard",
         "title": "ms-reshard: planning at DeepSeek-V3 scale, bytes against MindSpore, online throughput",
-        "machine": machine(),
+        "machine": machine_info("mindspore"),
         "rows": rows,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

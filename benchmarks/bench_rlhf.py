@@ -19,25 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
-from importlib.metadata import PackageNotFoundError, version
 
 import numpy as np
+from _common import machine_info
 
 DISTRIBUTIONS = {  # name: (median response tokens, sigma, cap)
     "reasoning": (1500, 0.9, 8192),
     "chat": (300, 0.7, 2048),
     "uniform": (None, None, 2048),
 }
-
-
-def _version(name):
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
 
 
 def lengths(rng, n, median, sigma, cap, prompt=(64, 512)):
@@ -384,14 +376,7 @@ def main(argv=None):
         "benchmark": "rlhf",
         "title": "ms-rlhf: packing vs next-fit and padding, packed vs padded GRPO step, uniform vs contiguous "
         "rollout makespan, ms-reshard vs gather-everything weight sync (ratio = ours / baseline)",
-        "machine": {
-            "nproc": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "numpy": np.__version__,
-            "mindspore": _version("mindspore"),
-            "torch": _version("torch"),
-        },
+        "machine": machine_info("mindspore", "torch"),
         "quick": args.quick,
         "wall_s": round(time.perf_counter() - start, 1),
         "rows": rows,

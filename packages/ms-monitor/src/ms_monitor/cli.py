@@ -60,6 +60,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     detector = DetectorConfig(
         slow_ratio=args.slow_ratio,
         slow_steps=args.slow_steps,
+        slow_excess_seconds=args.slow_excess,
         regress_ratio=args.regress_ratio,
         jitter_cv=args.jitter_cv,
     )
@@ -192,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--window", type=int, default=600, help="samples kept per rank")
     d.add_argument("--slow-ratio", type=float, default=1.3)
     d.add_argument("--slow-steps", type=int, default=3)
+    d.add_argument(
+        "--slow-excess", type=float, default=0.5, help="seconds a straggler must cost over its peers before an alert"
+    )
     d.add_argument("--regress-ratio", type=float, default=1.3)
     d.add_argument("--jitter-cv", type=float, default=0.35)
     d.add_argument("--ready-file", help="write the bound addresses as JSON to this file once listening")

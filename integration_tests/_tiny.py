@@ -25,11 +25,11 @@ LOSS_TOL = 1e-5  # fp32, the same ops in a different grouping (per-stage ms.grad
 GRAD_TOL = 1e-5
 
 
-def setup() -> None:
+def setup(device: str = "CPU") -> None:
     import mindspore as ms
 
     ms.set_context(mode=ms.PYNATIVE_MODE)
-    ms.set_device("CPU")
+    ms.set_device(device)
 
 
 def config(**overrides: Any):
@@ -38,11 +38,11 @@ def config(**overrides: Any):
     return ms_models.tiny_config("deepseek_v3", num_hidden_layers=LAYERS, num_nextn_predict_layers=0, **overrides)
 
 
-def model(seed: int = 0):
+def model(seed: int = 0, device: str = "CPU"):
     """The tiny DeepSeek-V3 (same weights in every process for the same seed)."""
     import ms_models
 
-    setup()
+    setup(device)
     return ms_models.from_config(config(), seed=seed)
 
 
@@ -89,13 +89,13 @@ def blocks(net) -> list:
             logits = self.lm_head(self.norm(x))
             return ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
-    hf_names = {id(p): p.name for p in net.trainable_params()}
+    hf_names = {id(p): p.name for p in net.get_parameters()}
     inner = net.model
     out = [EmbedBlock(inner.embed_tokens)]
     out += [LayerBlock(layer, inner.rotary_emb) for layer in inner.layers]
     out.append(HeadBlock(inner.norm, net.lm_head))
     for block in out:  # wrapping renames parameters: restore the HF names
-        for p in block.trainable_params():
+        for p in block.get_parameters():
             p.name = hf_names[id(p)]
     return out
 
@@ -106,17 +106,38 @@ def stage_layers(net, stage: int) -> list:
     return [net.model.layers[i - 1] for i in range(start, start + COUNTS[stage]) if 1 <= i <= LAYERS]
 
 
-def pipeline_runtime(group, net, **kwargs):
-    """A ZeroBubbleV PipelineRuntime over this rank's stages of `net`."""
+def schedule(num_ranks: int = 2):
+    import ms_pipeline as mp
+
+    return mp.build(SCHEDULE, num_ranks, M)
+
+
+def owner_rank(name: str, num_ranks: int = 2) -> int:
+    """The rank whose pipeline stage holds parameter `name` (HF name) under COUNTS and ZBV."""
+    if name.startswith("model.embed_tokens."):
+        block = 0
+    elif name.startswith("model.layers."):
+        block = 1 + int(name.split(".")[2])
+    else:  # model.norm, lm_head
+        block = LAYERS + 1
+    bounds = np.cumsum(COUNTS)
+    stage = int(np.searchsorted(bounds, block, side="right"))
+    return schedule(num_ranks).stage_to_rank[stage]
+
+
+def pipeline_runtime(group, net, optimizer=None, **kwargs):
+    """A ZeroBubbleV PipelineRuntime over this rank's stages of `net`; `optimizer(params)` builds
+    the optimizer over this rank's trainable parameters."""
     import ms_pipeline as mp
 
     placement = mp.LayerPlacement.from_counts(list(COUNTS))
     staged = mp.runtime.split_blocks(blocks(net), placement)
-    schedule = mp.build(SCHEDULE, group.size, M)
-    mine = {s: staged[s] for s in schedule.stages_of(group.rank)}
-    return mp.runtime.PipelineRuntime(
-        schedule, mine, group, activation_shape=(MB, SEQ, net.config.hidden_size), **kwargs
-    )
+    plan = schedule(group.size)
+    mine = {s: staged[s] for s in plan.stages_of(group.rank)}
+    if optimizer is not None:
+        params = {id(p): p for s in mine for b in mine[s] for p in b.trainable_params()}
+        kwargs["optimizer"] = optimizer(list(params.values()))
+    return mp.runtime.PipelineRuntime(plan, mine, group, activation_shape=(MB, SEQ, net.config.hidden_size), **kwargs)
 
 
 def reference_step(net, inputs, labels) -> tuple[float, dict[str, np.ndarray]]:

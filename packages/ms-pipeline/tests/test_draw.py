@@ -35,3 +35,11 @@ def test_chrome_trace_matches_the_timeline(tmp_path):
     back = read_chrome_trace(path)
     assert [(e.rank, str(e.action)) for e in back] == [(e.rank, str(e.action)) for e in result.timeline]
     assert mp.Bubbles.of(back, 2).bubble_rate == pytest.approx(result.bubble_rate)
+
+
+def test_drawing_is_public_from_the_package(tmp_path):
+    """Other packages draw schedules through ms_pipeline's public names, not its modules."""
+    path = mp.draw_png(mp.zero_bubble_v(2, 3), tmp_path / "zbv.png", title="ZBV")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert mp.chrome_trace is chrome_trace and mp.write_chrome_trace is write_chrome_trace
+    assert mp.read_chrome_trace is read_chrome_trace and "draw_png" in mp.__all__

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from .draw import chrome_trace, draw_png, read_chrome_trace, write_chrome_trace
 from .errors import ScheduleError
 from .ir import Action, Kind, Schedule, format_actions, parse_actions
 from .lower import lower, step_simulate
@@ -42,6 +43,8 @@ __all__ = [
     "ScheduleError",
     "SimResult",
     "build",
+    "chrome_trace",
+    "draw_png",
     "dumps",
     "format_actions",
     "format_grid",
@@ -55,6 +58,7 @@ __all__ = [
     "one_f_one_b",
     "parse_actions",
     "peak_activation",
+    "read_chrome_trace",
     "runtime",
     "save",
     "simulate",
@@ -62,6 +66,7 @@ __all__ = [
     "step_simulate",
     "to_csv",
     "validate",
+    "write_chrome_trace",
     "zero_bubble_h1",
     "zero_bubble_v",
     "zero_bubble_v_adaptive",

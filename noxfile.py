@@ -136,3 +136,12 @@ def bench(session: nox.Session) -> None:
         session.run("python", str(script), "--out", str(results / f"{name}.json"), *session.posargs)
     summary = ROOT / "benchmarks" / "summary.py"
     session.run("python", str(summary), str(results), "--markdown", str(ROOT / "docs" / "benchmarks.md"))
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: the whole stack composed on CPU (demo/run.py; posargs such as --out DIR, --quick)."""
+    for package in _packages():
+        _install_package(session, package, "test")
+    session.install("rich>=13", "tqdm", "matplotlib")
+    session.run("python", str(ROOT / "demo" / "run.py"), *session.posargs, env={"OMP_NUM_THREADS": "1"})

@@ -1,0 +1,250 @@
+"""Stage 1: pretrain the tiny DeepSeek-V3 with ZeroBubbleV on 2 local ranks, paired recompute,
+monitored by ms-monitor.
+
+Each rank (``ms_layout.comm.run_local``, gloo) builds the same model from the initial checkpoint,
+cuts it into blocks, keeps the blocks of its two V stages, applies ms-recompute's plan to the
+decoder layers of each stage (both layers of a pair inside one stage: one ``ms.grad`` call, as
+docs/ms-recompute.md asks), and runs ms-pipeline's ``PipelineRuntime`` with an ``nn.Adam``. An
+ms-monitor ``Monitor`` in each rank times every step (pipeline and optimizer ranges) and ships it
+to a ``Daemon`` running in this process. The ranks return their trained weights; this stage
+writes them as a sharded checkpoint (one safetensors file per rank, with a manifest) in the
+layout they were trained in, which the reshard stage reads.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from common import TEXT, ModelSpec, StageResult, batches, setup_mindspore, timed, tokenize
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    """How the pipelined pretraining runs."""
+
+    model: ModelSpec = field(default_factory=ModelSpec)
+    """The model."""
+    steps: int = 6
+    """Optimizer steps."""
+    microbatches: int = 3
+    """Microbatches per step (ZeroBubbleV on p ranks fills its V from 2p-1)."""
+    micro_batch: int = 2
+    """Samples per microbatch."""
+    seq: int = 16
+    """Tokens per sample."""
+    lr: float = 1e-2
+    """Adam learning rate."""
+    ranks: int = 2
+    """Pipeline ranks (2p stages in a V)."""
+    blocks_per_stage: tuple[int, ...] = (2, 2, 1, 1)
+    """Blocks (embed, layers..., head) per stage: stage 1 holds layers 1 and 2, one recompute pair."""
+    data_seed: int = 1
+    """Seed of the batch offsets."""
+    timeout: float = 900.0
+    """Seconds before the ranks are given up."""
+
+    def layer_counts(self) -> list[int]:
+        """Decoder layers per stage (the embedding is block 0, the head the last block)."""
+        bounds = np.cumsum((0, *self.blocks_per_stage))
+        n = self.model.layers
+        return [sum(1 for b in range(lo, hi) if 1 <= b <= n) for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def recompute_plans(config: PretrainConfig) -> dict[int, str]:
+    """Per stage, the recompute plan over its own decoder layers: the stages holding two or more
+    layers recompute them fully, in pairs (overlap); a pair never spans two stages. A stage with
+    one layer keeps its activations: on this runtime B and W already re-run the stage's forward,
+    and recompute adds one more forward per pass (docs/ms-recompute.md), which 2 shared cores feel."""
+    out = {}
+    for stage, n in enumerate(config.layer_counts()):
+        if n > 1:
+            out[stage] = f"0-{n - 1}=full"
+    return out
+
+
+def _rank(group, config_data: dict, init_dir: str, monitor_addr: str) -> dict:
+    """One pipeline rank (module-level: spawned processes import it)."""
+    import mindspore as ms
+    import ms_models
+    import ms_pipeline as mp
+    from ms_monitor import Monitor
+    from ms_recompute import RecomputePlan
+    from ms_recompute.runtime import apply_plan
+
+    from stages.blocks import LayerBlock, model_blocks
+
+    config = _config(config_data)
+    setup_mindspore(1)
+    model = ms_models.from_pretrained(init_dir)
+    staged = mp.runtime.split_blocks(model_blocks(model), mp.LayerPlacement.from_counts(config.blocks_per_stage))
+    schedule = mp.zero_bubble_v(config.ranks, config.microbatches)
+    mine = {s: staged[s] for s in schedule.stages_of(group.rank)}
+
+    applied, plans = [], {}
+    for s, spec in recompute_plans(config).items():
+        if s in mine:
+            layers = [b.layer for b in mine[s] if isinstance(b, LayerBlock)]
+            plan = RecomputePlan.parse(spec, len(layers), overlap=True, comms=0)
+            applied.append(apply_plan(layers, plan))  # before the runtime is built (docs/ms-recompute.md)
+            plans[s] = plan.format()
+
+    params = {p.name: p for s in mine for b in mine[s] for p in b.get_parameters()}
+    trainable = [p for p in params.values() if p.requires_grad]
+    optimizer = ms.nn.Adam(trainable, learning_rate=config.lr)
+    hidden = model.config.hidden_size
+    runtime = mp.runtime.PipelineRuntime(
+        schedule, mine, group, activation_shape=(config.micro_batch, config.seq, hidden), optimizer=optimizer
+    )
+    tokens = tokenize(init_dir, TEXT)
+    data = batches(tokens, config.steps, config.microbatches, config.micro_batch, config.seq, config.data_seed)
+    monitor = Monitor(
+        rank=group.rank, world_size=group.size, addr=monitor_addr, job="demo-pretrain",
+        tokens_per_step=config.microbatches * config.micro_batch * config.seq,
+    )  # fmt: skip
+    bar = None
+    if group.rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=config.steps, desc="  pretrain (ZBV, 2 ranks)", unit="step", leave=False)
+    losses, times, events = [], [], []
+    for step in range(config.steps):
+        inputs = [ms.Tensor(x) for x, _ in data[step]]
+        labels = [ms.Tensor(y) for _, y in data[step]]
+        start = time.perf_counter()
+        with monitor.step():
+            with monitor.range("pipeline"):
+                result = runtime.step(inputs, labels)
+            with monitor.range("optimizer"):
+                runtime.optimizer_step()
+        times.append(time.perf_counter() - start)
+        losses.append(result.loss)
+        events = list(result.events)
+        if step == 0:  # what the probe stage compares against the single-process reference
+            first = {name: p.asnumpy().copy() for name, p in params.items()}
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{result.loss:.3f}")
+    if bar is not None:
+        bar.close()
+    monitor.close()
+    for a in applied:
+        a.remove()
+    return {
+        "rank": group.rank,
+        "losses": losses,
+        "times": times,
+        "events": events,
+        "plans": plans,
+        "stages": list(mine),
+        "params": {name: p.asnumpy().copy() for name, p in params.items()},
+        "params_after_step_1": first,
+    }
+
+
+def _config(data: dict) -> PretrainConfig:
+    data = dict(data)
+    data["model"] = ModelSpec(**data["model"])
+    data["blocks_per_stage"] = tuple(data["blocks_per_stage"])
+    return PretrainConfig(**data)
+
+
+def train_specs(owner: dict[str, int], shapes: dict[str, tuple]):
+    """ms-reshard specs of the trained weights: each parameter whole on the rank of its V stage.
+    (ms_reshard.param_specs places pipeline stages in a loop, c % pp; ZeroBubbleV's V puts the
+    head on rank 0, so the demo states the placement itself.)"""
+    from ms_reshard import ParamSpec
+
+    from ms_layout import Layout
+
+    return {
+        name: ParamSpec(Layout((1,), ("pp",), rank_list=(owner[name],))(*["None"] * len(shapes[name])), shapes[name])
+        for name in sorted(owner)
+    }
+
+
+def run(config: PretrainConfig, work: Path) -> StageResult:
+    import ms_models
+    import ms_pipeline as mp
+    from ms_monitor import Daemon, DaemonConfig
+    from ms_reshard.checkpoint import save_checkpoint
+
+    from ms_layout.comm import run_local
+
+    result = StageResult("pretrain")
+    with timed(result):
+        init_dir = ms_models.make_tiny(
+            config.model.arch, work / "init", seed=config.model.seed, **config.model.overrides()
+        )
+        daemon = Daemon(DaemonConfig(port=0, http_port=0, trace_dir=str(work / "monitor-traces"))).start_in_thread()
+        try:
+            ranks = run_local(
+                _rank, config.ranks, backend="gloo", args=(asdict(config), init_dir, daemon.agent_addrs[0]),
+                timeout=config.timeout, env={"OMP_NUM_THREADS": "1"},
+            )  # fmt: skip
+            time.sleep(0.5)  # the agents' last samples are on their way
+            series = json.load(urllib.request.urlopen(daemon.http_url + "/api/series?last=1000", timeout=10))
+            status = json.load(urllib.request.urlopen(daemon.http_url + "/api/status", timeout=10))
+        finally:
+            daemon.stop()
+
+        schedule = mp.zero_bubble_v(config.ranks, config.microbatches)
+        mp.draw_png(
+            schedule, work / "zbv_schedule.png", title=f"ZeroBubbleV, p={config.ranks}, m={config.microbatches}"
+        )
+        events = [e for r in ranks for e in r["events"]]
+        mp.draw_png(
+            events, work / "zbv_measured.png", stage_to_rank=schedule.stage_to_rank, xlabel="seconds",
+            title="ZeroBubbleV, last training step as run (PyNative, 2 ranks)",
+        )  # fmt: skip
+        bubbles = mp.Bubbles.of([e for e in events if e.action.is_compute], config.ranks)
+
+        owner = {name: r["rank"] for r in ranks for name in r["params"]}
+        arrays = {name: r["params"][name] for r in ranks for name in r["params"]}
+        shapes = {name: tuple(a.shape) for name, a in arrays.items()}
+        specs = train_specs(owner, shapes)
+        save_checkpoint(work / "train_ckpt", specs, {n: {owner[n]: arrays[n]} for n in specs}, overwrite=True)
+        (work / "train_series.json").write_text(json.dumps(series))
+        from safetensors.numpy import save_file
+
+        step1 = {name: r["params_after_step_1"][name] for r in ranks for name in r["params_after_step_1"]}
+        save_file(step1, str(work / "pipeline_step1.safetensors.tmp"))
+        (work / "pipeline_step1.safetensors.tmp").replace(work / "pipeline_step1.safetensors")
+
+        losses = ranks[0]["losses"]
+        expected = {p.name for p in ms_models.from_pretrained(init_dir).get_parameters()}
+        result.check(
+            "every weight trained on exactly one rank",
+            set(owner) == expected and sum(len(r["params"]) for r in ranks) == len(expected),
+            f"{len(expected)} parameters; rank 0 {len(ranks[0]['params'])}, rank 1 {len(ranks[1]['params'])}",
+        )
+        result.check("ranks agree on every loss", all(r["losses"] == losses for r in ranks), f"{len(losses)} steps")
+        result.check(
+            "loss falls", np.isfinite(losses).all() and losses[-1] < 0.9 * losses[0],
+            f"{losses[0]:.3f} -> {losses[-1]:.3f}",
+        )  # fmt: skip
+        seen = {r: sum(v is not None for v in row) for r, row in zip(series["ranks"], series["step_time"])}
+        result.check(
+            "monitor daemon received every step of every rank",
+            all(seen.get(r, 0) >= config.steps for r in range(config.ranks)),
+            f"steps seen per rank {seen}",
+        )
+        step_ms = [1e3 * float(np.median(r["times"][1:] or r["times"])) for r in ranks]
+        result.numbers = {
+            "init_dir": str(init_dir),
+            "losses": losses,
+            "first_loss": losses[0],
+            "last_loss": losses[-1],
+            "median_step_ms": max(step_ms),
+            "measured_bubble_rate": bubbles.bubble_rate,
+            "recompute_plans": {f"rank {r['rank']} stage {s}": text for r in ranks for s, text in r["plans"].items()},
+            "stages_of_rank": {r["rank"]: r["stages"] for r in ranks},
+            "monitor_alerts": [a.get("kind", "") + ": " + a.get("message", "") for a in status.get("alerts", [])],
+            "monitor_series": series,
+            "params": len(expected),
+        }
+    return result

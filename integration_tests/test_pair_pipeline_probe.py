@@ -1,0 +1,111 @@
+"""ms-pipeline x ms-probe: ms-probe dumps one ZeroBubbleV step of the tiny DeepSeek-V3 on each of
+2 gloo ranks, and the single-process reference step; ``compare_rank`` of each rank's dump against
+the reference finds no divergence. With one weight of stage 1 (rank 1, decoder layer 1) perturbed,
+it names that layer's projection as the first diverging module on rank 1; on rank 0 it blames no
+module: the embedding and layer 0 (before the perturbed stage) pass, and the final norm and LM head
+(after it) are flagged as inheriting the divergence from their inputs.
+
+What is dumped: the forward of every ms-models module the rank runs (the debugger is attached to
+the whole model, so module paths equal the reference's). It records only during the runtime's F
+passes (a PipelineRuntime subclass starts and stops it around ``run_compute``): ms-pipeline's B and
+W passes re-run a stage's forward inside ``ms.grad``, and those replays would shift the per-module
+call counters ms-probe aligns by. A stage runs its F passes in microbatch order, so forward call k
+of a layer is microbatch k on both sides. Gradients are compared by the ms-models x ms-pipeline
+pair; here the items are forward only (``data_mode=["forward"]`` on both sides)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import _tiny
+import pytest
+
+pytest.importorskip("mindspore")
+pytest.importorskip("torch")
+pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch, pytest.mark.timeout(600)]
+
+PERTURBED = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"  # stage 1, on rank 1 under ZBV
+# the model's modules; model.rotary_emb is left out: the pipeline's layer blocks each compute the
+# RoPE angles (one call per layer), the whole model once per forward, so its call counts differ
+MODULES = ["model.embed_tokens", "model.layers.", "model.norm", "lm_head"]
+
+
+def _debugger(path: Path):
+    from ms_probe import PrecisionDebugger
+
+    return PrecisionDebugger(dump_path=str(path), task="statistics", level="L0", data_mode=["forward"], list=MODULES)
+
+
+def _rank(group, root: str, perturb: bool) -> str:
+    import ms_pipeline as mp
+
+    net = _tiny.model()
+    if perturb and _tiny.owner_rank(PERTURBED) == group.rank:
+        param = dict(net.parameters_and_names())[PERTURBED]
+        param.set_data(param + 1e-2)
+    debugger = _debugger(Path(root))
+
+    class ProbedRuntime(mp.runtime.PipelineRuntime):
+        def run_compute(self, part):
+            forward = part.kind.value == "F"
+            if forward:
+                debugger.start(net)
+            try:
+                super().run_compute(part)
+            finally:
+                if forward:
+                    debugger.stop()
+
+    plan = _tiny.schedule(group.size)
+    staged = mp.runtime.split_blocks(_tiny.blocks(net), mp.LayerPlacement.from_counts(list(_tiny.COUNTS)))
+    mine = {s: staged[s] for s in plan.stages_of(group.rank)}
+    runtime = ProbedRuntime(plan, mine, group, activation_shape=(_tiny.MB, _tiny.SEQ, net.config.hidden_size))
+    runtime.step(*_tiny.data(net.config.vocab_size))
+    folder = debugger.stop() or str(Path(root) / "step0" / f"rank{group.rank}")
+    debugger.close()
+    return folder
+
+
+def _golden(path: Path) -> str:
+    net = _tiny.model()
+    debugger = _debugger(path)
+    with debugger.dump_step(net):
+        _tiny.reference_step(net, *_tiny.data(net.config.vocab_size))
+    debugger.close()
+    (folder,) = path.glob("step0/rank*")
+    return str(folder)
+
+
+def _compare(target: str, golden: str):
+    from ms_probe import compare_rank, load_rank
+
+    return compare_rank(load_rank(target), load_rank(golden))
+
+
+def test_probe_finds_no_divergence_then_names_the_perturbed_module(run_ranks, tmp_path):
+    golden = _golden(tmp_path / "golden")
+    clean = run_ranks(_rank, nprocs=2, timeout=500, args=(str(tmp_path / "clean"), False), env={"OMP_NUM_THREADS": "1"})
+    bad = run_ranks(_rank, nprocs=2, timeout=500, args=(str(tmp_path / "bad"), True), env={"OMP_NUM_THREADS": "1"})
+
+    for rank, folder in enumerate(clean):
+        assert folder.endswith(f"rank{rank}")
+        result = _compare(folder, golden)
+        counts = result.summary()
+        matched = [m for m in result.modules if m.golden is not None]
+        # every forward call of every module this rank ran met its reference call
+        assert len(matched) == len(result.modules) > 0, counts
+        assert result.first_divergence is None, (rank, result.first_divergence, result.first_divergence_reason)
+        layers = {m.path.split(".")[2] for m in matched if m.path.startswith("model.layers.")}
+        assert layers == ({"0"} if rank == 0 else {"1", "2", "3"})
+        assert {m.result for m in matched} == {"pass"}, counts
+
+    stage0, stage1 = (_compare(folder, golden) for folder in bad)
+    first = stage1.first_divergence
+    assert first is not None and first.startswith("Cell.model.layers.1.self_attn.kv_a_proj_with_mqa."), first
+    assert first.endswith(".forward.0") and "weight" in stage1.first_divergence_reason
+    assert stage0.first_divergence is None, stage0.first_divergence
+    before = [m for m in stage0.modules if m.path.startswith(("model.embed_tokens", "model.layers.0"))]
+    after = [m for m in stage0.modules if m.path.startswith(("model.norm", "lm_head"))]
+    assert before and {m.result for m in before} == {"pass"}
+    flagged = [m for m in after if m.result != "pass"]
+    assert flagged and all("inherited" in m.reason for m in flagged), [(m.name, m.result, m.reason) for m in after]

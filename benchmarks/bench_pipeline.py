@@ -13,9 +13,11 @@ count the script measures, side by side in one run:
   latency from a ping-pong of one activation;
 * what the simulator predicts for the schedule under exactly those measured costs.
 
-On this runtime B and W each re-run their stage's forward (the generic block-level dx/dw split,
+Under jit, B and W each re-run their stage's forward (the generic block-level dx/dw split,
 docs/ms-pipeline.md), so ZBV computes more than 1F1B; the benchmark shows how much of that its
-smaller bubble wins back, and whether the simulator saw it coming.
+smaller bubble wins back, and whether the simulator saw it coming. In PyNative a second table
+compares ZBV's two ways to get W (``dw="recompute"`` against ``dw="stored"``, which queues each
+linear layer's input and output gradient in B and leaves W two GEMMs per layer) with 1F1B.
 """
 
 from __future__ import annotations
@@ -33,12 +35,31 @@ from _common import machine_info
 
 RANKS = 2
 NAMES = ("1f1b", "zbv")
+#: PyNative runs (hooks do not work under jit): (schedule, dw) per row
+PYNATIVE = (("1f1b", "auto"), ("zbv", "recompute"), ("zbv", "stored"))
 CONFIG = {"vocab": 128, "d": 64, "layers": 3, "heads": 4, "seq": 32, "micro_batch": 4, "jit": True, "threads": 1}
 
 
-def _rank(group, micro_counts, steps):
+def _label(name, dw):
+    return f"{name} pynative" if dw == "auto" else f"{name} pynative dw={dw}"
+
+
+def _timed(runtimes, inputs, labels, steps, out, m, latency):
+    """Timed steps alternating the runtimes, so that all see the same machine (the cores are shared)."""
+    for label in runtimes:
+        out[label, m] = {"times": [], "events": [], "latency": latency}
+    for _ in range(steps):
+        for label, runtime in runtimes.items():
+            runtime.zero_grads()
+            start = time.perf_counter()
+            result = runtime.step(inputs, labels)
+            out[label, m]["times"].append(time.perf_counter() - start)
+            out[label, m]["events"].append(result.events)
+
+
+def _rank(group, micro_counts, steps, pynative_m):
     """One rank: for each microbatch count, a warm-up step of each schedule, then timed steps
-    alternating 1F1B and ZBV, so that both see the same machine (the cores are shared)."""
+    alternating 1F1B and ZBV; then the PyNative variants at ``pynative_m`` microbatches."""
     import ms_pipeline as mp
     from ms_pipeline.runtime import ToyConfig, setup_cpu, toy_setup
 
@@ -59,15 +80,19 @@ def _rank(group, micro_counts, steps):
             mine = {s: [blocks[i] for i in placement.layers(s)] for s in schedule.stages_of(group.rank)}
             runtimes[name] = mp.runtime.PipelineRuntime(schedule, mine, group, activation_shape=shape, jit=config.jit)
             runtimes[name].step(inputs, labels)  # warm-up: compiles what this schedule needs
-        for name in NAMES:
-            out[name, m] = {"times": [], "events": [], "latency": latency}
-        for _ in range(steps):
-            for name, runtime in runtimes.items():
-                runtime.zero_grads()
-                start = time.perf_counter()
-                result = runtime.step(inputs, labels)
-                out[name, m]["times"].append(time.perf_counter() - start)
-                out[name, m]["events"].append(result.events)
+        _timed(runtimes, inputs, labels, steps, out, m, latency)
+    # PyNative on a model of its own: the jit stages above must never see the dW hooks
+    model, _, inputs, labels = toy_setup(ToyConfig(**{**CONFIG, "jit": False}), 2 * RANKS, pynative_m)
+    blocks = list(model.blocks)
+    runtimes = {}
+    for name, dw in PYNATIVE:
+        schedule = mp.build(name, RANKS, pynative_m)
+        placement = mp.LayerPlacement.even(len(blocks), schedule.num_stages)
+        mine = {s: [blocks[i] for i in placement.layers(s)] for s in schedule.stages_of(group.rank)}
+        runtime = mp.runtime.PipelineRuntime(schedule, mine, group, activation_shape=shape, dw=dw)
+        runtime.step(inputs, labels)  # warm-up (and the one-time check of the stored dW)
+        runtimes[_label(name, dw)] = runtime
+    _timed(runtimes, inputs, labels, max(2, steps // 2), out, pynative_m, latency)
     return out
 
 
@@ -113,7 +138,7 @@ def _stage_costs(schedule, events):
 def _row(name, m, per_rank):
     import ms_pipeline as mp
 
-    schedule = mp.build(name, RANKS, m)
+    schedule = mp.build(name.split()[0], RANKS, m)
     steps = len(per_rank[0]["times"])
     step_times = [max(r["times"][i] for r in per_rank) for i in range(steps)]
     events = [[e for r in per_rank for e in r["events"][i] if e.action.is_compute] for i in range(steps)]
@@ -192,9 +217,15 @@ def main(argv=None) -> int:
 
     micro_counts = [4, 8] if args.quick else [4, 8, 12]
     steps = 3 if args.quick else 6
+    pynative_m = 8
     start = time.perf_counter()
     results = run_local(
-        _rank, RANKS, backend="gloo", args=(micro_counts, steps), timeout=1800, env={"OMP_NUM_THREADS": "1"}
+        _rank,
+        RANKS,
+        backend="gloo",
+        args=(micro_counts, steps, pynative_m),
+        timeout=1800,
+        env={"OMP_NUM_THREADS": "1"},
     )
     print(f"ran in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     rows = []
@@ -205,10 +236,22 @@ def main(argv=None) -> int:
             zbv[f"zbv/1f1b {key}"] = zbv[key] / one[key]
             one[f"zbv/1f1b {key}"] = 1.0
         rows += [one, zbv]
+    base = _row(_label(*PYNATIVE[0]), pynative_m, [r[_label(*PYNATIVE[0]), pynative_m] for r in results])
+    pynative = [base]
+    for variant in PYNATIVE[1:]:
+        row = _row(_label(*variant), pynative_m, [r[_label(*variant), pynative_m] for r in results])
+        row["schedule"] = _label(*variant)
+        pynative.append(row)
+    for row in pynative:
+        for key in ("step_s", "step_min_s", "predicted_makespan_s"):
+            row[f"zbv/1f1b {key}"] = row[key] / base[key]
+    base["schedule"] = _label(*PYNATIVE[0])
     if args.draw or args.trace:
         _draw(args.draw, args.trace, results, micro_counts[len(micro_counts) // 2])
     title = "ZeroBubbleV vs 1F1B, 2 CPU ranks x 1 thread, toy transformer (measured beside simulated)"
     _print(rows, title)
+    _print(pynative, f"The same in PyNative, m={pynative_m}: ZBV's W recomputed or from stored linear-layer pairs")
+    rows += pynative
     machine = machine_info("mindspore", "torch", ranks=RANKS, threads_per_rank=CONFIG["threads"], model=CONFIG)
     report = {"benchmark": "pipeline", "title": title, "machine": machine, "rows": rows}
     out = Path(args.out)

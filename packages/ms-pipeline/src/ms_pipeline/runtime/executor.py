@@ -56,7 +56,10 @@ class PipelineRuntime:
     ``overlap_fn(runtime, forward, backward)`` runs an OVERLAP_F_B pair; by default its halves
     run one after the other (a model with communication inside can overlap them, as DualPipe's
     ``overlapped_forward_backward``). ``jit`` compiles each block's forward and gradients with
-    ``mindspore.jit`` (seconds per block once, then several times faster than PyNative)."""
+    ``mindspore.jit`` (seconds per block once, then several times faster than PyNative). ``dw``
+    says how a split backward's W gets the weight gradients (see :class:`Stage`): "stored" queues
+    each linear layer's input and output gradient in B and multiplies them in W, "recompute" runs
+    a second ``ms.grad``; "auto" is "stored" in PyNative and "recompute" under ``jit``."""
 
     def __init__(
         self,
@@ -69,6 +72,7 @@ class PipelineRuntime:
         optimizer: ms.nn.Optimizer | None = None,
         overlap_fn: Callable[[PipelineRuntime, Action, Action], None] | None = None,
         jit: bool = False,
+        dw: str = "auto",
     ):
         if group.size != schedule.num_ranks:
             raise ScheduleError(
@@ -84,7 +88,7 @@ class PipelineRuntime:
                 f"rank {self.rank} holds stages {list(mine)}, but blocks were given for {sorted(blocks)}"
             )
         last = schedule.num_stages - 1
-        self.stages = {s: Stage(s, blocks[s], first=s == 0, last=s == last, jit=jit) for s in mine}
+        self.stages = {s: Stage(s, blocks[s], first=s == 0, last=s == last, jit=jit, dw=dw) for s in mine}
         self._shape = activation_shape if callable(activation_shape) else (lambda s: tuple(activation_shape))
         self.dtype = np.dtype(dtype)
         self.optimizer = optimizer

@@ -2,30 +2,35 @@
 
 A stage is an ordered list of blocks (MindSpore Cells); each maps one tensor to the next, except
 the last block of the last stage, which maps (hidden, labels) to the microbatch's scalar loss.
-The dx/dw split is the "generic block level" recipe (shared/reference/mindspore_cpu.md, section 3)
-applied to the stage as one block, so it needs nothing from the model's code:
+Two ways to split the backward into dx and dW (``dw=``):
 
-* F runs the stage and keeps its input;
-* B runs ``ms.grad(stage, grad_position=0, sens_param=True)`` on the saved input and the output
-  gradient: the input gradient only; it keeps the output gradient;
-* W runs ``ms.grad(stage, grad_position=None, weights=..., sens_param=True)`` on the same two
-  tensors: the weight gradients, deferred;
-* BW does both in one ``ms.grad`` (1F1B, GPipe).
+* ``"stored"`` (default in PyNative), the ZeroBubble way: B runs one ``ms.grad`` for the input
+  gradient and the gradients of the weights that are not plain linear layers (norms, embeddings,
+  expert stacks, routers), while hooks queue each linear layer's input and output gradient
+  (:mod:`.deferred_dw`); W is then just ``dW = g^T x`` and ``db = sum(g)`` per queued pair. The
+  first time a stage runs W it checks the deferred gradients against a full ``ms.grad`` once.
+* ``"recompute"`` (the only choice under ``jit``: hooks do not run in graph mode), the "generic
+  block level" recipe (shared/reference/mindspore_cpu.md, section 3) applied to the stage as one
+  block: B is ``ms.grad(stage, grad_position=0, sens_param=True)`` and W is
+  ``ms.grad(stage, grad_position=None, weights=..., sens_param=True)`` on the saved input and
+  output gradient, so W costs a forward and a backward of its own.
 
-``ms.grad`` re-runs the stage's forward from its saved input. MindSpore's PyNative tape cannot be
-kept per microbatch instead (several live ``ms.vjp`` closures of one Cell fail with "Can not find
-top cell for backward"), so on this runtime T_B and T_W each include a forward and the
-activations between F and B are recomputed, not stored; the measured costs go into the simulator
-as they are. One call per pass, not one per block, keeps MindSpore's per-call overhead low.
+BW does both in one ``ms.grad`` (1F1B, GPipe). Every ``ms.grad`` re-runs the stage's forward from
+its saved input: MindSpore's PyNative tape cannot be kept per microbatch (several live ``ms.vjp``
+closures of one Cell fail with "Can not find top cell for backward"), so the activations between F
+and B are recomputed, not stored; the measured costs go into the simulator as they are. One call
+per pass, not one per block, keeps MindSpore's per-call overhead low.
 
 Two pitfalls of the split are handled by construction:
 
 * a weight used twice -- inside one block (``x @ w @ w``) or by two blocks of the stage (a shared
-  Cell) -- gets every use: W differentiates the whole stage, and gradients are accumulated per
-  Parameter object, never per hooked op (the dW-split bug of pytorch #180952 hooks ops);
-* stage 0 has no input gradient to compute (its input is the data, often token ids): its B only
-  keeps the output gradient and its W computes the weight gradients, as PyTorch's stage 0 runs
-  its full backward in the W slot.
+  Cell) -- gets every use: each call of a linear cell queues its own pair, a weight some other
+  cell also holds is never deferred, and gradients are accumulated per Parameter object, never
+  per hooked op (the dW-split bug of pytorch #180952 hooks ops);
+* stage 0 has no input gradient to compute (its input is the data, often token ids): in
+  ``"recompute"`` its B only keeps the output gradient and its W computes the weight gradients,
+  as PyTorch's stage 0 runs its full backward in the W slot; in ``"stored"`` its B differentiates
+  the non-linear weights only.
 """
 
 from __future__ import annotations
@@ -38,11 +43,16 @@ import mindspore as ms
 import numpy as np
 
 from ..errors import ScheduleError
+from .deferred_dw import DeferredLinearGrads
 
 # block ids -> (stage cell, {"fwd"/"dx"/"dw"/"both": compiled function}): a stage made of the
 # same blocks is compiled once per process, so a new schedule over the same cut does not
 # recompile. The entry pins the blocks, as MindSpore's own compile cache pins its graphs.
 _COMPILED: dict[tuple[int, ...], tuple[ms.nn.Cell, dict]] = {}
+
+#: how W gets the weight gradients: "stored" (queued linear-layer pairs, PyNative), "recompute"
+#: (a second ms.grad), "auto" (stored unless jit)
+DW_MODES = ("auto", "stored", "recompute")
 
 
 class _StageCell(ms.nn.Cell):
@@ -91,9 +101,22 @@ class _Saved:
 class Stage:
     """The blocks of one pipeline stage, with gradient accumulators for their parameters."""
 
-    def __init__(self, index: int, blocks: Sequence[ms.nn.Cell], *, first: bool, last: bool, jit: bool = False):
+    def __init__(
+        self,
+        index: int,
+        blocks: Sequence[ms.nn.Cell],
+        *,
+        first: bool,
+        last: bool,
+        jit: bool = False,
+        dw: str = "auto",
+    ):
         if not blocks:
             raise ScheduleError(f"stage {index} has no blocks")
+        if dw not in DW_MODES:
+            raise ScheduleError(f"stage {index}: dw={dw!r} is not one of {DW_MODES}")
+        if dw == "stored" and jit:
+            raise ScheduleError(f"stage {index}: dw='stored' needs PyNative (hooks do not run under jit=True)")
         self.index = index
         self.blocks = list(blocks)
         self.first = first
@@ -105,6 +128,12 @@ class Stage:
         self.cell, self._fns = _COMPILED[key]
         self.weights = list(self.cell.trainable_params())
         self.params: dict[int, ms.Parameter] = {id(p): p for p in self.weights}
+        self.dw = "recompute" if jit or dw == "recompute" else "stored"
+        self.deferred: DeferredLinearGrads | None = None  # hooked at the first B (BW never needs them)
+        self.early: list[ms.Parameter] = self.weights  # weights whose gradients B computes
+        if self.dw == "recompute" and "deferred" in self._fns:  # the cells were hooked by a stored stage
+            self._fns.pop("deferred").remove()
+            self._fns.pop("checked", None)
         self._saved: dict[int, _Saved] = {}
         self.grads: dict[int, np.ndarray] = {}  # id(Parameter) -> accumulated gradient
 
@@ -120,6 +149,10 @@ class Stage:
                 fn = ms.grad(cell, grad_position=0, sens_param=True)
             elif what == "dw":
                 fn = ms.grad(cell, grad_position=None, weights=weights, sens_param=True)
+            elif what == "early":  # stored dW: the weights B keeps, with (or, on stage 0, without) dx
+                position = None if self.first else 0
+                early = self.early or None  # no weights left for B: the input gradient alone
+                fn = ms.grad(cell, grad_position=position, weights=early, sens_param=True)
             else:
                 fn = ms.grad(cell, grad_position=0, weights=weights, sens_param=True)
             # graph mode: one compilation per stage and function (seconds), then much faster
@@ -129,9 +162,9 @@ class Stage:
     def _args(self, saved: _Saved) -> tuple:
         return (saved.x, saved.labels) if self.last else (saved.x,)
 
-    def _accumulate(self, grads: Sequence[Any]) -> None:
-        for p, g in zip(self.weights, grads):
-            g = g.asnumpy()
+    def _accumulate(self, grads: Sequence[Any], params: Sequence[ms.Parameter] | None = None) -> None:
+        for p, g in zip(self.weights if params is None else params, grads):
+            g = g if isinstance(g, np.ndarray) else g.asnumpy()
             acc = self.grads.get(id(p))
             self.grads[id(p)] = g.copy() if acc is None else acc + g
 
@@ -148,6 +181,17 @@ class Stage:
         first stage, whose input is the data)."""
         saved = self._pending(mb, "B")
         saved.grad_out = grad_out
+        if self.dw == "stored" and (self.deferred is None or self.deferred is not self._fns.get("deferred")):
+            self._hook()  # first B, or a jit stage over the same cells took the hooks off since
+        if self.deferred is not None:
+            with self.deferred.recording(mb):
+                out = self._fn("early")(*self._args(saved), grad_out)
+            dx, early = (None, out) if self.first else out if self.early else (out, ())
+            if self.early:
+                self._accumulate(early, self.early)
+            if self._checked:
+                saved.x = saved.labels = None  # W needs only the queued pairs
+            return None if self.first else _first(dx)
         if self.first:
             return None
         return _first(self._fn("dx")(*self._args(saved), grad_out))
@@ -158,7 +202,12 @@ class Stage:
         if saved is None or saved.grad_out is None:
             raise ScheduleError(f"stage {self.index}: W of microbatch {mb} runs before its B")
         del self._saved[mb]
-        if self.weights:
+        if self.deferred is not None:
+            grads = self.deferred.pop_grads(mb)
+            if not self._checked:
+                self._check(saved, grads)
+            self._accumulate([grads[id(p)] for p in self.deferred.params], self.deferred.params)
+        elif self.weights:
             self._accumulate(self._fn("dw")(*self._args(saved), saved.grad_out))
 
     def backward_full(self, mb: int, grad_out: Any) -> Any:
@@ -174,6 +223,38 @@ class Stage:
         dx, dw = self._fn("both")(*args)
         self._accumulate(dw)
         return _first(dx)
+
+    def _hook(self) -> None:
+        """Put the deferred-dW hooks on the linear cells (once per compiled stage) and sort the
+        weights into those B differentiates and those W gets from the queued pairs."""
+        if "deferred" not in self._fns:
+            self._fns["deferred"] = DeferredLinearGrads(self.cell)
+        deferred = self._fns["deferred"]
+        early = [p for p in self.weights if not deferred.deferred(p)]
+        if (self.first and not early) or not deferred.params:  # nothing to differentiate in B
+            self.dw = "recompute"
+        else:
+            self.deferred, self.early = deferred, early
+
+    @property
+    def _checked(self) -> bool:
+        return self._fns.get("checked", False)
+
+    def _check(self, saved: _Saved, grads: dict[int, np.ndarray]) -> None:
+        """Once per stage: the deferred gradients of one microbatch against a full ``ms.grad``. A
+        weight used outside its cell's ``construct`` (``ops.matmul(x, lin.weight)``) escapes the
+        hooks; this says which instead of training with a wrong gradient."""
+        params = self.deferred.params
+        fn = ms.grad(self.cell, grad_position=None, weights=params, sens_param=True)
+        for p, want in zip(params, fn(*self._args(saved), saved.grad_out)):
+            want, got = want.asnumpy(), grads[id(p)]
+            if not np.allclose(got, want, rtol=1e-3, atol=1e-5 * max(1.0, float(np.abs(want).max()))):
+                raise ScheduleError(
+                    f"stage {self.index}: the deferred gradient of {p.name!r} differs from ms.grad's "
+                    f"(max error {float(np.abs(got - want).max()):.3g}); the weight is used outside its "
+                    "cell's construct: build the stage with dw='recompute'"
+                )
+        self._fns["checked"] = True
 
     def _pending(self, mb: int, what: str) -> _Saved:
         saved = self._saved.get(mb)

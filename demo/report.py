@@ -118,7 +118,10 @@ def _probe(result: StageResult, work: Path) -> str:
 
 def _serve(result: StageResult, work: Path) -> str:
     answers = result.numbers.get("answers") or []
-    rows = [{"prompt": a["prompt"], "vLLM answer": a["text"], "tokens == reference": a["equal"]} for a in answers]
+    rows = [
+        {"prompt": a["prompt"], "answer": json.dumps(a["text"]), "token ids": a["tokens"], "== reference": a["equal"]}
+        for a in answers
+    ]
     return _table(rows)
 
 

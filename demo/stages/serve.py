@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from common import PROMPTS, StageResult, setup_mindspore, timed
 
 
@@ -30,6 +31,20 @@ class ServeConfig:
     """KV-cache block size (tokens)."""
     kv_cache_bytes: int = 4 << 20
     """KV-cache memory for vLLM to carve into blocks."""
+    logprob_tolerance: float = 1e-4
+    """Largest difference between vLLM's log-probs (paged KV cache) and a full forward's."""
+
+
+def _logprobs(model, prompt: list[int], answer: list[int]) -> np.ndarray:
+    """Log-probabilities of `answer` after `prompt` from one training-path forward (no KV cache):
+    an independent reference for what vLLM computed step by step over its paged cache."""
+    import mindspore as ms
+    from mindspore import ops
+
+    ids = ms.Tensor(np.asarray([prompt + answer], np.int32))
+    logp = ops.log_softmax(model(ids)[0], -1).asnumpy()
+    rows = np.arange(len(prompt) - 1, len(prompt) + len(answer) - 1)
+    return logp[rows, answer]
 
 
 def run(config: ServeConfig, work: Path) -> StageResult:
@@ -48,9 +63,9 @@ def run(config: ServeConfig, work: Path) -> StageResult:
         )  # fmt: skip
         startup = time.perf_counter() - start
         start = time.perf_counter()
-        outs = llm.generate(list(PROMPTS), SamplingParams(max_tokens=config.max_tokens, temperature=0), use_tqdm=False)
+        params = SamplingParams(max_tokens=config.max_tokens, temperature=0, logprobs=1)
+        outs = llm.generate(list(PROMPTS), params, use_tqdm=False)
         generate_s = time.perf_counter() - start
-        platform = type(llm.llm_engine.vllm_config.device_config).__module__
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
@@ -59,36 +74,35 @@ def run(config: ServeConfig, work: Path) -> StageResult:
         model = ms_models.from_pretrained(serve_dir)
         prompts = [list(o.prompt_token_ids) for o in outs]
         reference = ms_models.generate_greedy(model, prompts, config.max_tokens)
-        answers = []
-        for out, ref in zip(outs, reference):
+        answers, worst = [], 0.0
+        for out, prompt, ref in zip(outs, prompts, reference):
             got = list(out.outputs[0].token_ids)
-            answers.append(
-                {
-                    "prompt": out.prompt,
-                    "text": out.outputs[0].text,
-                    "tokens": got,
-                    "reference": ref,
-                    "equal": got == ref,
-                }
-            )
+            served = [step[token].logprob for step, token in zip(out.outputs[0].logprobs, got)]
+            expected = _logprobs(model, prompt, got)
+            worst = max(worst, float(np.abs(np.asarray(served) - expected).max()))
+            text = out.outputs[0].text
+            answers.append({"prompt": out.prompt, "text": text, "tokens": got, "reference": ref, "equal": got == ref})
         result.check(
             "vLLM greedy tokens == ms-models reference generation",
             all(a["equal"] for a in answers),
             f"{sum(a['equal'] for a in answers)}/{len(answers)} prompts, {config.max_tokens} tokens each",
         )
+        result.check(
+            "vLLM's log-probs == the training-path forward's",
+            worst <= config.logprob_tolerance,
+            f"max |difference| {worst:.2e} over {sum(len(a['tokens']) for a in answers)} tokens"
+            f" (tolerance {config.logprob_tolerance:g})",
+        )
         from vllm.platforms import current_platform
 
-        result.check(
-            "served by ms-vllm's MindSpore platform",
-            "mindspore" in type(current_platform).__module__.lower() or "ms_vllm" in type(current_platform).__module__,
-            f"platform {type(current_platform).__module__}.{type(current_platform).__name__}",
-        )
+        platform = f"{type(current_platform).__module__}.{type(current_platform).__name__}"
+        result.check("served by ms-vllm's MindSpore platform", platform.startswith("ms_vllm."), platform)
         tokens = sum(len(a["tokens"]) for a in answers)
         result.numbers = {
             "answers": answers,
             "engine_startup_s": startup,
             "generate_s": generate_s,
             "tokens_per_s": tokens / generate_s if generate_s else 0.0,
-            "device_config": platform,
+            "logprob_max_abs_diff": worst,
         }
     return result

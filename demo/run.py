@@ -15,6 +15,7 @@ Exit status 0 only when every check passed.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -23,6 +24,9 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the demo's modules, also for spawned ranks
+# MindSpore logs every deprecation and tuning hint as a WARNING on stderr, in every rank, which
+# buries the demo's own progress; errors still show (GLOG_v=3). Set before MindSpore is imported.
+os.environ.setdefault("GLOG_v", "3")
 
 from common import StageResult, write_json
 

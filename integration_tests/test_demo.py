@@ -65,6 +65,7 @@ def test_stage_numbers_hold_against_their_references(demo):
     assert stages["probe"]["numbers"]["max_abs_err"] <= 1e-4
     answers = stages["serve"]["numbers"]["answers"]
     assert answers and all(a["tokens"] == a["reference"] and a["tokens"] for a in answers)
+    assert stages["serve"]["numbers"]["logprob_max_abs_diff"] <= 1e-4
     grpo = stages["grpo"]["numbers"]
     assert grpo["resumed_losses"] == grpo["losses"][-len(grpo["resumed_losses"]) :]
 

@@ -130,14 +130,18 @@ def _grpo(result: StageResult, work: Path) -> str:
     losses, rewards = n.get("losses") or [], n.get("rewards") or []
     if not losses:
         return ""
-    fig, ax = plt.subplots(figsize=(6, 3))
+    fig, ax = plt.subplots(figsize=(7, 3))
     steps = range(1, len(losses) + 1)
-    ax.plot(steps, losses, marker="o", label="loss (uninterrupted)")
+    ax.plot(steps, losses, marker="o", label="loss, uninterrupted")
     resumed = n.get("resumed_losses") or []
-    ax.plot(range(len(losses) - len(resumed) + 1, len(losses) + 1), resumed, "x", ms=12, label="loss (resumed)")
-    ax.plot(steps, rewards, marker="s", label="mean reward")
-    ax.set(xlabel="GRPO step", title="GRPO: resumed steps land on the uninterrupted run")
-    ax.legend()
+    ax.plot(range(len(losses) - len(resumed) + 1, len(losses) + 1), resumed, "x", ms=12, label="loss, resumed")
+    ax.set(xlabel="GRPO step", ylabel="loss", title="GRPO: the resumed steps land on the uninterrupted run")
+    ax.set_xticks(list(steps))
+    reward = ax.twinx()  # rewards and losses differ by orders of magnitude: one axis each
+    reward.plot(steps, rewards, marker="s", color="#2e7d32", label="mean reward")
+    reward.set_ylabel("mean reward")
+    ax.legend(loc="upper left")
+    reward.legend(loc="upper right")
     return _img_fig(fig, "GRPO losses")
 
 

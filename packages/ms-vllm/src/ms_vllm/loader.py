@@ -7,14 +7,23 @@ import logging
 logger = logging.getLogger(__name__)
 
 
-def load_ms_model(vllm_config):
-    """The ms_models model of `model_config.model` (float32 on MindSpore's CPU kernels)."""
+def load_ms_model(vllm_config, group=None):
+    """The ms_models model of `model_config.model` (float32 on MindSpore's CPU kernels); with a
+    process group (tensor_parallel_size > 1), this rank's shard of it (tp_model.py)."""
     import ms_models
 
     model_config = vllm_config.model_config
     path = model_config.model
     method = model_config.quantization
-    if method:
+    if group is not None:
+        from .parallel import ShardPlan
+        from .tp_model import build_tp_model
+
+        parallel = vllm_config.parallel_config
+        plan = ShardPlan(group.size, group.rank, bool(parallel.enable_expert_parallel))
+        logger.info("ms-vllm: %s", plan.describe())
+        model = build_tp_model(path, plan, group)
+    elif method:
         from .quant import METHODS, load_quantized
 
         if method not in METHODS:

@@ -48,6 +48,8 @@ class MindSporeModelRunner:
         self.model = model
         self.block_size = vllm_config.cache_config.block_size
         self.max_model_len = vllm_config.model_config.max_model_len
+        # The full vocabulary (under TP the model's own config holds one rank's slice of it).
+        self.vocab_size = vllm_config.model_config.get_vocab_size()
         self.multi_step = multi_step
         self.drafter = drafter
         self.lora = lora
@@ -131,7 +133,7 @@ class MindSporeModelRunner:
         from mindspore import Tensor
 
         if rows.size == 0:
-            return np.zeros((0, self.model.config.vocab_size), np.float32)
+            return np.zeros((0, self.vocab_size), np.float32)
         out = self.model.compute_logits(hidden[Tensor(rows.astype(np.int32))])
         return out.asnumpy()
 
@@ -193,7 +195,7 @@ class MindSporeModelRunner:
 
         k = max(wanted)
         if k < 0:  # -1: the whole vocabulary
-            k = self.model.config.vocab_size
+            k = self.vocab_size
         flat = [t for toks in sampled for t in toks]
         if not flat:
             return None

@@ -28,12 +28,12 @@ class MindSporeCausalLM(nn.Module):
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = {}
     embedding_modules: ClassVar[dict[str, str]] = {}
 
-    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+    def __init__(self, *, vllm_config, prefix: str = "", group=None) -> None:
         super().__init__()
         from .loader import load_ms_model
 
         self.vllm_config = vllm_config
-        self.ms_model = load_ms_model(vllm_config)
+        self.ms_model = load_ms_model(vllm_config, group)
 
     # vLLM's protocol, for callers holding torch tensors (the worker calls the MindSpore model directly).
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:

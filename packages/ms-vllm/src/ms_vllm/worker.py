@@ -3,8 +3,9 @@
 vLLM calls, in order: `init_device`, `load_model`, `get_kv_cache_spec`,
 `determine_available_memory`, `initialize_from_config` (the block count the engine settled on),
 `compile_or_warm_up_model`, then `execute_model` once per engine step (and `take_draft_token_ids`
-after it when speculative decoding is on). With tensor/expert parallelism every worker process
-would run the same calls on its shard (not built yet: the platform refuses world_size > 1).
+after it when speculative decoding is on). With tensor/expert parallelism vLLM's multiprocessing
+executor starts one such worker per rank and sends every call to all of them; each runs it on its
+shard (parallel.py, tp_model.py) and rank 0's ModelRunnerOutput is the one vLLM reads.
 """
 
 from __future__ import annotations
@@ -43,13 +44,35 @@ class MindSporeWorker(WorkerBase):
         threads = os.environ.get("MS_VLLM_THREADS")
         if threads:
             ms.set_context(runtime_num_threads=int(threads))
+        self.group = None
+        if self.parallel_config.world_size > 1:
+            self.group = self._init_parallel()
+
+    def _init_parallel(self):
+        """Join vLLM's process groups (its bookkeeping: process titles, group ranks) and the
+        ms_layout.comm world that carries the model's collectives.
+
+        vLLM hands every worker the same rendezvous (a file store, `distributed_init_method`);
+        vLLM's init_distributed_environment makes torch.distributed's gloo world from it, and
+        ms_layout.comm's gloo backend adopts that world (same ranks, no second rendezvous)."""
+        from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+
+        from ms_layout import comm
+
+        p = self.parallel_config
+        init_distributed_environment(p.world_size, self.rank, self.distributed_init_method, self.local_rank, "gloo")
+        ensure_model_parallel_initialized(p.tensor_parallel_size, p.pipeline_parallel_size)
+        group = comm.init_process_group("gloo", self.rank, p.world_size)
+        if (group.rank, group.size) != (self.rank, p.world_size):
+            raise RuntimeError(f"ms_layout.comm joined as rank {group.rank} of {group.size}, vLLM says {self.rank}")
+        return group
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         from .model_runner import MindSporeModelRunner
         from .models import resolve_model_class
 
         cls = resolve_model_class(self.model_config)
-        wrapper = cls(vllm_config=self.vllm_config)
+        wrapper = cls(vllm_config=self.vllm_config, group=self.group)
         model = wrapper.ms_model
         drafter = None
         spec = self.vllm_config.speculative_config
@@ -136,6 +159,19 @@ class MindSporeWorker(WorkerBase):
         """The runner's counters (for tests and benchmarks: `llm.collective_rpc("ms_vllm_stats")`)."""
         return dict(self.runner.stats)
 
+    def ms_vllm_shard_info(self) -> dict:
+        """What this rank holds (`llm.collective_rpc("ms_vllm_shard_info")`): its rank, parameter
+        elements and the shape of layer 0's KV cache tensors."""
+        model = self.runner.model
+        caches = self.runner.kv_caches[0]
+        first = caches[0] if isinstance(caches, tuple) else caches
+        return {
+            "rank": self.rank,
+            "world_size": self.parallel_config.world_size,
+            "params": int(model.num_params()),
+            "kv_cache_shape": tuple(int(d) for d in first.shape),
+        }
+
     # ------------------------------------------------------------------ LoRA
     def add_lora(self, lora_request) -> bool:
         return self._lora().add(lora_request)
@@ -156,3 +192,12 @@ class MindSporeWorker(WorkerBase):
 
     def shutdown(self) -> None:
         self.runner = None
+        if self.group is not None:
+            from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
+
+            from ms_layout import comm
+
+            destroy_model_parallel()
+            destroy_distributed_environment()
+            comm.destroy()
+            self.group = None

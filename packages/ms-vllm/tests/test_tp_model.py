@@ -1,0 +1,89 @@
+"""The sharded model on 2 gloo ranks (ms_layout.comm) against the same checkpoint in one process:
+paged logits over a prefill then a decode step agree, for TP and TP + EP."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch]
+
+PROMPT = [0, 17, 23, 99, 5, 61, 200, 31, 8]
+BLOCK = 4
+
+
+def _paged_logits(model, prompt, next_token):
+    """Logits of a paged prefill of `prompt`, then of one decode step of `next_token`."""
+    from ms_models import allocate_kv_caches
+
+    caches = allocate_kv_caches(model, 8, BLOCK)
+    n = len(prompt)
+    table = np.arange(8, dtype=np.int32)[None]
+    pre = model.forward_paged(
+        np.array(prompt, np.int32),
+        np.arange(n, dtype=np.int32),
+        caches,
+        np.arange(n, dtype=np.int32),
+        table,
+        np.array([n], np.int32),
+        np.array([0, n], np.int32),
+    )
+    dec = model.forward_paged(
+        np.array([next_token], np.int32),
+        np.array([n], np.int32),
+        caches,
+        np.array([n], np.int32),
+        table,
+        np.array([n + 1], np.int32),
+        np.array([0, 1], np.int32),
+    )
+    return pre.asnumpy(), dec.asnumpy()
+
+
+def _rank(group, cases):
+    """Each (path, expert_parallel) case's paged logits and parameter shapes on this rank."""
+    import mindspore as ms
+    from ms_vllm.parallel import ShardPlan
+    from ms_vllm.tp_model import build_tp_model
+
+    ms.set_device("CPU")
+    out = []
+    for path, expert_parallel in cases:
+        model = build_tp_model(str(path), ShardPlan(group.size, group.rank, expert_parallel), group)
+        sizes = {name: tuple(p.shape) for name, p in model.parameters_and_names()}
+        out.append((_paged_logits(model, PROMPT, 42), sizes))
+    return out
+
+
+def _compare(tiny_dirs, run_ranks, cases):
+    import mindspore as ms
+    from ms_models import from_pretrained
+
+    ms.set_device("CPU")
+    results = run_ranks(_rank, nprocs=2, timeout=300, args=([(tiny_dirs[a], ep) for a, ep in cases],))
+    for i, (arch, _) in enumerate(cases):
+        want_pre, want_dec = _paged_logits(from_pretrained(tiny_dirs[arch]), PROMPT, 42)
+        for rank_results in results:
+            (pre, dec), _ = rank_results[i]
+            np.testing.assert_allclose(pre, want_pre, rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(dec, want_dec, rtol=1e-4, atol=1e-5)
+    return [r[1] for r in results[0]]
+
+
+def test_dense_tp2_matches_one_process(tiny_dirs, run_ranks):
+    """Llama (untied head) and Qwen2 (tied embeddings, q/k/v biases)."""
+    for sizes in _compare(tiny_dirs, run_ranks, [("llama", False), ("qwen2", False)]):
+        assert sizes["model.embed_tokens.weight"] == (160, 64)  # vocab-parallel: 320 / 2 rows
+        assert sizes["model.layers.0.self_attn.k_proj.weight"] == (16, 64)  # 1 of 2 kv heads x 16
+        assert sizes["model.layers.0.mlp.down_proj.weight"] == (64, 64)  # row-parallel: 128 / 2 inputs
+
+
+def test_deepseek_tp2_ep2_matches_one_process(tiny_dirs, run_ranks):
+    """DeepSeek-V3 with its routed experts split whole (EP=2) and split inside (TP=2)."""
+    ep, tp = _compare(tiny_dirs, run_ranks, [("deepseek_v3", True), ("deepseek_v3", False)])
+    assert ep["model.layers.1.mlp.experts.gate_proj"] == (4, 32, 64)  # 4 of 8 experts, whole
+    assert tp["model.layers.1.mlp.experts.gate_proj"] == (8, 16, 64)  # all 8, half of each
+    for sizes in (ep, tp):
+        assert sizes["model.layers.1.mlp.gate.weight"] == (8, 64)  # the router sees every expert
+        assert sizes["model.layers.1.mlp.shared_experts.gate_proj.weight"] == (16, 64)
+        assert sizes["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] == (24, 64)  # latent: replicated

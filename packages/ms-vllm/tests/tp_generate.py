@@ -1,0 +1,42 @@
+"""Run by test_tp.py in a fresh interpreter: greedy tokens through vllm.LLM with the given options.
+
+A separate process because vLLM forks its tensor-parallel workers, which is only safe from a
+process that has not loaded MindSpore (the test process has: it computes the reference).
+argv[1] is JSON {"model", "prompts", "follow_up", "n", "llm": {LLM kwargs}}; the last stdout line
+is JSON {"tokens", "follow_up", "cached", "shards"}."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def main() -> None:
+    job = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+
+    args = dict(max_model_len=96, block_size=4, max_num_seqs=8, kv_cache_memory_bytes=4 << 20, seed=0)
+    args.update(job["llm"], enforce_eager=True)
+    llm = LLM(model=job["model"], **args)
+    greedy = SamplingParams(max_tokens=job["n"], temperature=0.0, ignore_eos=True)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], greedy, use_tqdm=False)
+        follow = llm.generate([{"prompt_token_ids": job["follow_up"]}], greedy, use_tqdm=False)[0]
+        shards = llm.collective_rpc("ms_vllm_shard_info")
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    result = {
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "follow_up": list(follow.outputs[0].token_ids),
+        "cached": follow.num_cached_tokens or 0,
+        "shards": shards,
+    }
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -67,51 +67,62 @@ def recompute_plans(config: PretrainConfig) -> dict[int, str]:
     return out
 
 
-def _rank(group, config_data: dict, init_dir: str, monitor_addr: str) -> dict:
-    """One pipeline rank (module-level: spawned processes import it)."""
-    import mindspore as ms
-    import ms_models
-    import ms_pipeline as mp
-    from ms_monitor import Monitor
+def _apply_recompute(config: PretrainConfig, mine: dict) -> tuple[list, dict[int, str]]:
+    """Apply each of this rank's stage plans to that stage's decoder layers -- before the
+    PipelineRuntime is built (docs/ms-recompute.md); returns the applied plans and their text."""
     from ms_recompute import RecomputePlan
     from ms_recompute.runtime import apply_plan
 
-    from stages.blocks import LayerBlock, model_blocks
-
-    config = _config(config_data)
-    setup_mindspore(1)
-    model = ms_models.from_pretrained(init_dir)
-    staged = mp.runtime.split_blocks(model_blocks(model), mp.LayerPlacement.from_counts(config.blocks_per_stage))
-    schedule = mp.zero_bubble_v(config.ranks, config.microbatches)
-    mine = {s: staged[s] for s in schedule.stages_of(group.rank)}
+    from stages.blocks import LayerBlock
 
     applied, plans = [], {}
     for s, spec in recompute_plans(config).items():
         if s in mine:
             layers = [b.layer for b in mine[s] if isinstance(b, LayerBlock)]
             plan = RecomputePlan.parse(spec, len(layers), overlap=True, comms=0)
-            applied.append(apply_plan(layers, plan))  # before the runtime is built (docs/ms-recompute.md)
+            applied.append(apply_plan(layers, plan))
             plans[s] = plan.format()
+    return applied, plans
 
+
+def _build(group, config: PretrainConfig, init_dir: str):
+    """(runtime, this rank's parameters by name, applied recompute plans, their text)."""
+    import mindspore as ms
+    import ms_models
+    import ms_pipeline as mp
+
+    from stages.blocks import model_blocks
+
+    model = ms_models.from_pretrained(init_dir)
+    staged = mp.runtime.split_blocks(model_blocks(model), mp.LayerPlacement.from_counts(config.blocks_per_stage))
+    schedule = mp.zero_bubble_v(config.ranks, config.microbatches)
+    mine = {s: staged[s] for s in schedule.stages_of(group.rank)}
+    applied, plans = _apply_recompute(config, mine)
     params = {p.name: p for s in mine for b in mine[s] for p in b.get_parameters()}
-    trainable = [p for p in params.values() if p.requires_grad]
-    optimizer = ms.nn.Adam(trainable, learning_rate=config.lr)
-    hidden = model.config.hidden_size
-    runtime = mp.runtime.PipelineRuntime(
-        schedule, mine, group, activation_shape=(config.micro_batch, config.seq, hidden), optimizer=optimizer
+    optimizer = ms.nn.Adam([p for p in params.values() if p.requires_grad], learning_rate=config.lr)
+    shape = (config.micro_batch, config.seq, model.config.hidden_size)
+    runtime = mp.runtime.PipelineRuntime(schedule, mine, group, activation_shape=shape, optimizer=optimizer)
+    return runtime, params, applied, plans
+
+
+def _rank(group, config_data: dict, init_dir: str, monitor_addr: str) -> dict:
+    """One pipeline rank (module-level: spawned processes import it)."""
+    import mindspore as ms
+    from ms_monitor import Monitor
+    from tqdm import tqdm
+
+    config = _config(config_data)
+    setup_mindspore(1)
+    runtime, params, applied, plans = _build(group, config, init_dir)
+    data = batches(
+        tokenize(init_dir, TEXT), config.steps, config.microbatches, config.micro_batch, config.seq, config.data_seed
     )
-    tokens = tokenize(init_dir, TEXT)
-    data = batches(tokens, config.steps, config.microbatches, config.micro_batch, config.seq, config.data_seed)
     monitor = Monitor(
         rank=group.rank, world_size=group.size, addr=monitor_addr, job="demo-pretrain",
         tokens_per_step=config.microbatches * config.micro_batch * config.seq,
     )  # fmt: skip
-    bar = None
-    if group.rank == 0:
-        from tqdm import tqdm
-
-        bar = tqdm(total=config.steps, desc="  pretrain (ZBV, 2 ranks)", unit="step", leave=False)
-    losses, times, events = [], [], []
+    bar = tqdm(total=config.steps, desc="  pretrain (ZBV, 2 ranks)", unit="step", disable=group.rank != 0)
+    losses, times, events, first = [], [], [], {}
     for step in range(config.steps):
         inputs = [ms.Tensor(x) for x, _ in data[step]]
         labels = [ms.Tensor(y) for _, y in data[step]]
@@ -126,11 +137,9 @@ def _rank(group, config_data: dict, init_dir: str, monitor_addr: str) -> dict:
         events = list(result.events)
         if step == 0:  # what the probe stage compares against the single-process reference
             first = {name: p.asnumpy().copy() for name, p in params.items()}
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{result.loss:.3f}")
-    if bar is not None:
-        bar.close()
+        bar.update(1)
+        bar.set_postfix(loss=f"{result.loss:.3f}")
+    bar.close()
     monitor.close()
     for a in applied:
         a.remove()
@@ -140,7 +149,7 @@ def _rank(group, config_data: dict, init_dir: str, monitor_addr: str) -> dict:
         "times": times,
         "events": events,
         "plans": plans,
-        "stages": list(mine),
+        "stages": sorted(runtime.stages),
         "params": {name: p.asnumpy().copy() for name, p in params.items()},
         "params_after_step_1": first,
     }
@@ -167,53 +176,70 @@ def train_specs(owner: dict[str, int], shapes: dict[str, tuple]):
     }
 
 
-def run(config: PretrainConfig, work: Path) -> StageResult:
-    import ms_models
-    import ms_pipeline as mp
+def _train_monitored(config: PretrainConfig, init_dir: str, work: Path) -> tuple[list[dict], dict, dict]:
+    """Run the ranks with an ms-monitor daemon in this process; (rank results, the daemon's
+    per-rank step series, its status)."""
     from ms_monitor import Daemon, DaemonConfig
-    from ms_reshard.checkpoint import save_checkpoint
 
     from ms_layout.comm import run_local
+
+    daemon = Daemon(DaemonConfig(port=0, http_port=0, trace_dir=str(work / "monitor-traces"))).start_in_thread()
+    try:
+        ranks = run_local(
+            _rank, config.ranks, backend="gloo", args=(asdict(config), init_dir, daemon.agent_addrs[0]),
+            timeout=config.timeout, env={"OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        time.sleep(0.5)  # the agents' last samples are on their way
+        series = json.load(urllib.request.urlopen(daemon.http_url + "/api/series?last=1000", timeout=10))
+        status = json.load(urllib.request.urlopen(daemon.http_url + "/api/status", timeout=10))
+    finally:
+        daemon.stop()
+    return ranks, series, status
+
+
+def _draw(config: PretrainConfig, ranks: list[dict], work: Path) -> float:
+    """The schedule as built and the last step as run (ms-pipeline's drawing); the measured bubble."""
+    import ms_pipeline as mp
+
+    schedule = mp.zero_bubble_v(config.ranks, config.microbatches)
+    title = f"ZeroBubbleV, p={config.ranks}, m={config.microbatches}"
+    mp.draw_png(schedule, work / "zbv_schedule.png", title=title)
+    events = [e for r in ranks for e in r["events"]]
+    mp.draw_png(
+        events, work / "zbv_measured.png", stage_to_rank=schedule.stage_to_rank, xlabel="seconds",
+        title="ZeroBubbleV, last training step as run (PyNative, 2 ranks)",
+    )  # fmt: skip
+    return mp.Bubbles.of([e for e in events if e.action.is_compute], config.ranks).bubble_rate
+
+
+def _save(ranks: list[dict], work: Path) -> dict[str, int]:
+    """The trained weights as a sharded checkpoint (one file per rank, a manifest with checksums),
+    and the weights after step 1 for the probe; returns each parameter's rank."""
+    from ms_reshard.checkpoint import save_checkpoint
+    from safetensors.numpy import save_file
+
+    owner = {name: r["rank"] for r in ranks for name in r["params"]}
+    arrays = {name: r["params"][name] for r in ranks for name in r["params"]}
+    specs = train_specs(owner, {name: tuple(a.shape) for name, a in arrays.items()})
+    save_checkpoint(work / "train_ckpt", specs, {n: {owner[n]: arrays[n]} for n in specs}, overwrite=True)
+    step1 = {name: a for r in ranks for name, a in r["params_after_step_1"].items()}
+    tmp = work / "pipeline_step1.safetensors.tmp"
+    save_file(step1, str(tmp))
+    tmp.replace(work / "pipeline_step1.safetensors")
+    return owner
+
+
+def run(config: PretrainConfig, work: Path) -> StageResult:
+    import ms_models
 
     result = StageResult("pretrain")
     with timed(result):
         init_dir = ms_models.make_tiny(
             config.model.arch, work / "init", seed=config.model.seed, **config.model.overrides()
         )
-        daemon = Daemon(DaemonConfig(port=0, http_port=0, trace_dir=str(work / "monitor-traces"))).start_in_thread()
-        try:
-            ranks = run_local(
-                _rank, config.ranks, backend="gloo", args=(asdict(config), init_dir, daemon.agent_addrs[0]),
-                timeout=config.timeout, env={"OMP_NUM_THREADS": "1"},
-            )  # fmt: skip
-            time.sleep(0.5)  # the agents' last samples are on their way
-            series = json.load(urllib.request.urlopen(daemon.http_url + "/api/series?last=1000", timeout=10))
-            status = json.load(urllib.request.urlopen(daemon.http_url + "/api/status", timeout=10))
-        finally:
-            daemon.stop()
-
-        schedule = mp.zero_bubble_v(config.ranks, config.microbatches)
-        mp.draw_png(
-            schedule, work / "zbv_schedule.png", title=f"ZeroBubbleV, p={config.ranks}, m={config.microbatches}"
-        )
-        events = [e for r in ranks for e in r["events"]]
-        mp.draw_png(
-            events, work / "zbv_measured.png", stage_to_rank=schedule.stage_to_rank, xlabel="seconds",
-            title="ZeroBubbleV, last training step as run (PyNative, 2 ranks)",
-        )  # fmt: skip
-        bubbles = mp.Bubbles.of([e for e in events if e.action.is_compute], config.ranks)
-
-        owner = {name: r["rank"] for r in ranks for name in r["params"]}
-        arrays = {name: r["params"][name] for r in ranks for name in r["params"]}
-        shapes = {name: tuple(a.shape) for name, a in arrays.items()}
-        specs = train_specs(owner, shapes)
-        save_checkpoint(work / "train_ckpt", specs, {n: {owner[n]: arrays[n]} for n in specs}, overwrite=True)
-        (work / "train_series.json").write_text(json.dumps(series))
-        from safetensors.numpy import save_file
-
-        step1 = {name: r["params_after_step_1"][name] for r in ranks for name in r["params_after_step_1"]}
-        save_file(step1, str(work / "pipeline_step1.safetensors.tmp"))
-        (work / "pipeline_step1.safetensors.tmp").replace(work / "pipeline_step1.safetensors")
+        ranks, series, status = _train_monitored(config, init_dir, work)
+        bubble_rate = _draw(config, ranks, work)
+        owner = _save(ranks, work)
 
         losses = ranks[0]["losses"]
         expected = {p.name for p in ms_models.from_pretrained(init_dir).get_parameters()}
@@ -240,7 +266,7 @@ def run(config: PretrainConfig, work: Path) -> StageResult:
             "first_loss": losses[0],
             "last_loss": losses[-1],
             "median_step_ms": max(step_ms),
-            "measured_bubble_rate": bubbles.bubble_rate,
+            "measured_bubble_rate": bubble_rate,
             "recompute_plans": {f"rank {r['rank']} stage {s}": text for r in ranks for s, text in r["plans"].items()},
             "stages_of_rank": {r["rank"]: r["stages"] for r in ranks},
             "monitor_alerts": [a.get("kind", "") + ": " + a.get("message", "") for a in status.get("alerts", [])],

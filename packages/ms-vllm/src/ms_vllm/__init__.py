@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import importlib.util
 
-__version__ = "0.1.0"
+from .parallel import ParallelError, ShardPlan
 
-__all__ = ["PLATFORM", "register_models", "register_platform"]
+__version__ = "0.2.0"
+
+__all__ = ["PLATFORM", "ParallelError", "ShardPlan", "register_models", "register_platform"]
 
 PLATFORM = "ms_vllm.platform.MindSporePlatform"
 

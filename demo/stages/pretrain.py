@@ -41,8 +41,10 @@ class PretrainConfig:
     """Adam learning rate."""
     ranks: int = 2
     """Pipeline ranks (2p stages in a V)."""
-    blocks_per_stage: tuple[int, ...] = (2, 2, 1, 1)
-    """Blocks (embed, layers..., head) per stage: stage 1 holds layers 1 and 2, one recompute pair."""
+    blocks_per_stage: tuple[int, ...] = (3, 1, 1, 1)
+    """Blocks (embed, layers..., head) per stage: stage 0 holds the embedding and layers 0 and 1
+    (one recompute pair), so rank 0 (stages 0 and 3: + the head) and rank 1 (layers 2 and 3)
+    carry about the same work."""
     data_seed: int = 1
     """Seed of the batch offsets."""
     timeout: float = 900.0
@@ -58,8 +60,8 @@ class PretrainConfig:
 def recompute_plans(config: PretrainConfig) -> dict[int, str]:
     """Per stage, the recompute plan over its own decoder layers: the stages holding two or more
     layers recompute them fully, in pairs (overlap); a pair never spans two stages. A stage with
-    one layer keeps its activations: on this runtime B and W already re-run the stage's forward,
-    and recompute adds one more forward per pass (docs/ms-recompute.md), which 2 shared cores feel."""
+    one layer keeps its activations: on this runtime B already re-runs the stage's forward, and
+    recompute adds one more forward per layer (docs/ms-recompute.md), which 2 shared cores feel."""
     out = {}
     for stage, n in enumerate(config.layer_counts()):
         if n > 1:

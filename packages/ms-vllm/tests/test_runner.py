@@ -25,7 +25,7 @@ def runner_for(path, drafter_k=0):
     model = from_pretrained(path)
     config = SimpleNamespace(
         cache_config=SimpleNamespace(block_size=4),
-        model_config=SimpleNamespace(max_model_len=64, seed=0),
+        model_config=SimpleNamespace(max_model_len=64, seed=0, get_vocab_size=lambda: model.config.vocab_size),
     )
     drafter = (
         MTPDrafter(model, SimpleNamespace(method="deepseek_mtp", num_speculative_tokens=drafter_k))

@@ -1,9 +1,9 @@
-"""ms-pipeline x ms-monitor: 3 ZeroBubbleV training steps of the tiny DeepSeek-V3 on 2 gloo ranks,
+"""ms-pipeline x ms-monitor: 2 ZeroBubbleV training steps of the tiny DeepSeek-V3 on 2 gloo ranks,
 each rank with an ms-monitor agent that times every step and, inside it, the forward, input-gradient
 and weight-gradient passes the runtime runs (a PipelineRuntime subclass wraps ``run_compute``,
 the runtime's public per-pass entry point). The node daemon runs in the test process: every
 rank's samples reach it with those phase ranges, each no longer than the runtime's own record of
-the same passes, and ``ms-monitor status --json`` lists both ranks at step 3."""
+the same passes, and ``ms-monitor status --json`` lists both ranks at step 2."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ pytest.importorskip("mindspore")
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch, pytest.mark.timeout(600)]
 
-STEPS = 3
+STEPS = 2
 PHASES = {"F": "forward", "B": "backward", "W": "backward_weight", "BW": "backward"}
 
 

@@ -36,7 +36,7 @@ def _debugger(path: Path):
     return PrecisionDebugger(dump_path=str(path), task="statistics", level="L0", data_mode=["forward"], list=MODULES)
 
 
-def _rank(group, root: str, perturb: bool) -> str:
+def _dump(group, root: str, perturb: bool) -> str:
     import ms_pipeline as mp
 
     net = _tiny.model()
@@ -66,6 +66,11 @@ def _rank(group, root: str, perturb: bool) -> str:
     return folder
 
 
+def _rank(group, root: str) -> tuple[str, str]:
+    """The clean step, then the perturbed one, in one launch (one rank start-up instead of two)."""
+    return _dump(group, str(Path(root) / "clean"), False), _dump(group, str(Path(root) / "bad"), True)
+
+
 def _golden(path: Path) -> str:
     net = _tiny.model()
     debugger = _debugger(path)
@@ -84,8 +89,8 @@ def _compare(target: str, golden: str):
 
 def test_probe_finds_no_divergence_then_names_the_perturbed_module(run_ranks, tmp_path):
     golden = _golden(tmp_path / "golden")
-    clean = run_ranks(_rank, nprocs=2, timeout=500, args=(str(tmp_path / "clean"), False), env={"OMP_NUM_THREADS": "1"})
-    bad = run_ranks(_rank, nprocs=2, timeout=500, args=(str(tmp_path / "bad"), True), env={"OMP_NUM_THREADS": "1"})
+    folders = run_ranks(_rank, nprocs=2, timeout=500, args=(str(tmp_path),), env={"OMP_NUM_THREADS": "1"})
+    clean, bad = [f[0] for f in folders], [f[1] for f in folders]
 
     for rank, folder in enumerate(clean):
         assert folder.endswith(f"rank{rank}")

@@ -136,6 +136,7 @@ class Stage:
             self._fns.pop("checked", None)
         self._saved: dict[int, _Saved] = {}
         self.grads: dict[int, np.ndarray] = {}  # id(Parameter) -> accumulated gradient
+        self.verified = False  # this stage ran the one-time check of the stored dW (one more ms.grad)
 
     # ------------------------------------------------------------ autograd helpers
     def _fn(self, what: str) -> Any:
@@ -254,7 +255,7 @@ class Stage:
                     f"(max error {float(np.abs(got - want).max()):.3g}); the weight is used outside its "
                     "cell's construct: build the stage with dw='recompute'"
                 )
-        self._fns["checked"] = True
+        self._fns["checked"] = self.verified = True
 
     def _pending(self, mb: int, what: str) -> _Saved:
         saved = self._saved.get(mb)

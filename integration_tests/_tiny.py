@@ -57,47 +57,9 @@ def data(vocab: int, seed: int = 3) -> tuple[list, list]:
 
 def blocks(net) -> list:
     """embed, layer 0..LAYERS-1, head, as Cells whose parameters keep their HF names."""
-    import mindspore as ms
-    from mindspore import nn, ops
+    import ms_models
 
-    class EmbedBlock(nn.Cell):
-        def __init__(self, embed):
-            super().__init__()
-            self.embed = embed
-
-        def construct(self, ids):
-            return self.embed(ids)
-
-    class LayerBlock(nn.Cell):
-        def __init__(self, layer, rotary):
-            super().__init__()
-            self.layer, self.rotary = layer, rotary
-
-        def construct(self, x):
-            b, s = x.shape[0], x.shape[1]
-            positions = ops.broadcast_to(ops.arange(0, s, 1, dtype=ms.int32).expand_dims(0), (b, s))
-            cos, sin = self.rotary(positions)
-            allowed = (ops.tril(ops.ones((s, s), ms.float32)) > 0.5).expand_dims(0).expand_dims(1)
-            return self.layer(x, cos, sin, allowed)
-
-    class HeadBlock(nn.Cell):
-        def __init__(self, norm, lm_head):
-            super().__init__()
-            self.norm, self.lm_head = norm, lm_head
-
-        def construct(self, x, labels):
-            logits = self.lm_head(self.norm(x))
-            return ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-
-    hf_names = {id(p): p.name for p in net.get_parameters()}
-    inner = net.model
-    out = [EmbedBlock(inner.embed_tokens)]
-    out += [LayerBlock(layer, inner.rotary_emb) for layer in inner.layers]
-    out.append(HeadBlock(inner.norm, net.lm_head))
-    for block in out:  # wrapping renames parameters: restore the HF names
-        for p in block.get_parameters():
-            p.name = hf_names[id(p)]
-    return out
+    return ms_models.pipeline_blocks(net)
 
 
 def stage_layers(net, stage: int) -> list:

@@ -75,12 +75,10 @@ def _apply_recompute(config: PretrainConfig, mine: dict) -> tuple[list, dict[int
     from ms_recompute import RecomputePlan
     from ms_recompute.runtime import apply_plan
 
-    from stages.blocks import LayerBlock
-
     applied, plans = [], {}
     for s, spec in recompute_plans(config).items():
         if s in mine:
-            layers = [b.layer for b in mine[s] if isinstance(b, LayerBlock)]
+            layers = [b.layer for b in mine[s] if hasattr(b, "layer")]  # the decoder-layer blocks
             plan = RecomputePlan.parse(spec, len(layers), overlap=True, comms=0)
             applied.append(apply_plan(layers, plan))
             plans[s] = plan.format()
@@ -93,10 +91,9 @@ def _build(group, config: PretrainConfig, init_dir: str):
     import ms_models
     import ms_pipeline as mp
 
-    from stages.blocks import model_blocks
-
     model = ms_models.from_pretrained(init_dir)
-    staged = mp.runtime.split_blocks(model_blocks(model), mp.LayerPlacement.from_counts(config.blocks_per_stage))
+    placement = mp.LayerPlacement.from_counts(config.blocks_per_stage)
+    staged = mp.runtime.split_blocks(ms_models.pipeline_blocks(model), placement)
     schedule = mp.zero_bubble_v(config.ranks, config.microbatches)
     mine = {s: staged[s] for s in schedule.stages_of(group.rank)}
     applied, plans = _apply_recompute(config, mine)

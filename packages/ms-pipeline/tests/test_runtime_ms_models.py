@@ -1,9 +1,10 @@
 """A tiny ms-models Llama, split into pipeline stages, trains like the unsplit model.
 
 ms-models is a sibling package (HF-named MindSpore decoders); only its public names are used.
-The model is cut into blocks at the natural seams: the token embedding, each decoder layer, and a
-head (final norm, LM head, cross-entropy). Each decoder-layer block derives its RoPE angles and
-causal mask from the hidden state's shape, so the only tensor crossing stages is the hidden state.
+The model is cut into blocks at the natural seams by ``ms_models.pipeline_blocks``: the token
+embedding, each decoder layer, and a head (final norm, LM head, cross-entropy). Each decoder-layer
+block derives its RoPE angles and causal mask from the hidden state's shape, so the only tensor
+crossing stages is the hidden state.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ ms = pytest.importorskip("mindspore")
 pytest.importorskip("torch")
 ms_models = pytest.importorskip("ms_models")
 import ms_pipeline as mp  # noqa: E402
-from mindspore import nn, ops  # noqa: E402
+from mindspore import ops  # noqa: E402
 
 # spawning MindSpore ranks on 2 shared cores takes minutes, beyond the 300 s default
 pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch, pytest.mark.timeout(1500)]
@@ -23,56 +24,11 @@ pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch, pytest.mark.
 MB, SEQ, M = 2, 6, 4
 
 
-class EmbedBlock(nn.Cell):
-    def __init__(self, embed):
-        super().__init__()
-        self.embed = embed
-
-    def construct(self, ids):
-        return self.embed(ids)
-
-
-class LayerBlock(nn.Cell):
-    def __init__(self, layer, rotary):
-        super().__init__()
-        self.layer, self.rotary = layer, rotary
-
-    def construct(self, x):
-        b, s = x.shape[0], x.shape[1]
-        positions = ops.broadcast_to(ops.arange(0, s, 1, dtype=ms.int32).expand_dims(0), (b, s))
-        cos, sin = self.rotary(positions)
-        allowed = (ops.tril(ops.ones((s, s), ms.float32)) > 0.5).expand_dims(0).expand_dims(1)
-        return self.layer(x, cos, sin, allowed)
-
-
-class HeadBlock(nn.Cell):
-    def __init__(self, norm, lm_head):
-        super().__init__()
-        self.norm, self.lm_head = norm, lm_head
-
-    def construct(self, x, labels):
-        logits = self.lm_head(self.norm(x))
-        return ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-
-
 def _llama():
     ms.set_context(mode=ms.PYNATIVE_MODE)
     ms.set_device("CPU")
     config = ms_models.tiny_config("llama")
     return ms_models.from_config(config, seed=0), config
-
-
-def _blocks(model):
-    """embed, layer 0, layer 1, head; wrapping renames parameters, so their HF names are restored."""
-    hf_names = {id(p): p.name for p in model.trainable_params()}
-    inner = model.model
-    blocks = [EmbedBlock(inner.embed_tokens)]
-    blocks += [LayerBlock(layer, inner.rotary_emb) for layer in inner.layers]
-    blocks.append(HeadBlock(inner.norm, model.lm_head))
-    for block in blocks:
-        for p in block.trainable_params():
-            p.name = hf_names[id(p)]
-    return blocks
 
 
 def _data(vocab):
@@ -85,7 +41,7 @@ def _rank(group, runs):
     out = []
     for name, counts in runs:
         model, config = _llama()
-        blocks = mp.runtime.split_blocks(_blocks(model), mp.LayerPlacement.from_counts(counts))
+        blocks = mp.runtime.split_blocks(ms_models.pipeline_blocks(model), mp.LayerPlacement.from_counts(counts))
         schedule = mp.build(name, 2, M)
         mine = {s: blocks[s] for s in schedule.stages_of(group.rank)}
         runtime = mp.runtime.PipelineRuntime(schedule, mine, group, activation_shape=(MB, SEQ, config.hidden_size))

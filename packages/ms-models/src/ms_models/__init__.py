@@ -16,6 +16,8 @@ Paged cache
     model.forward_paged(...), model.allocate_kv_caches(...), PagedMetadata,
     allocate_kv_caches(model, num_blocks, block_size), generate_greedy(model, prompts, n),
     generate_greedy_recompute(model, prompt, n), BlockAllocator.
+Pipeline blocks
+    pipeline_blocks(model) -> [embed, layer 0..n-1, head] Cells (HF names kept) for a pipeline runtime.
 Parallel layouts
     model_layouts(model_or_config, parallel_config) -> {param name: ms_layout.ParamPlacement},
     param_shapes(config) -> {param name: shape} (no model built).
@@ -26,6 +28,7 @@ Errors
 from __future__ import annotations
 
 from .base import CausalLM, packed_positions
+from .blocks import pipeline_blocks
 from .config import DecoderConfig, DeepseekV3Config, LlamaConfig, Qwen2Config, config_from_dict, load_config
 from .deepseek_v3 import DeepseekV3ForCausalLM
 from .dense import LlamaForCausalLM, Qwen2ForCausalLM
@@ -73,6 +76,7 @@ __all__ = [
     "model_layouts",
     "packed_positions",
     "param_shapes",
+    "pipeline_blocks",
     "read_safetensors",
     "save_safetensors",
     "tiny_config",

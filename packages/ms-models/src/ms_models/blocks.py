@@ -1,10 +1,10 @@
-"""An ms-models decoder cut into pipeline blocks: the embedding, each decoder layer, and a head.
+"""A decoder cut into pipeline blocks: the token embedding, each decoder layer, and a head.
 
-ms_pipeline's runtime passes one tensor between blocks, so each layer block derives its RoPE
-angles and causal mask from the hidden state's shape (as ms-pipeline's own ms-models test does),
-and the head block maps (hidden, labels) to the microbatch's cross-entropy loss. Wrapping a Cell
-renames its parameters, so the HF names are put back: ms-reshard, ms-probe and the checkpoint
-all speak them.
+A pipeline runtime (ms-pipeline's) passes one tensor between blocks, so each layer block derives
+its RoPE angles and causal mask from the hidden state's shape, and the head block maps (hidden,
+labels) to the microbatch's mean cross-entropy. The blocks hold the model's own Cells (weights are
+shared, not copied); wrapping a Cell renames its parameters, so their HF names are put back, which
+is what checkpoints, reshard plans and probe dumps speak.
 """
 
 from __future__ import annotations
@@ -12,9 +12,13 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import nn, ops
 
+from .errors import ModelError
+
 
 class EmbedBlock(nn.Cell):
-    def __init__(self, embed):
+    """token ids [B, S] -> hidden [B, S, H]"""
+
+    def __init__(self, embed: nn.Cell):
         super().__init__()
         self.embed = embed
 
@@ -23,7 +27,9 @@ class EmbedBlock(nn.Cell):
 
 
 class LayerBlock(nn.Cell):
-    def __init__(self, layer, rotary):
+    """hidden -> hidden through one decoder layer, causal over the whole sequence"""
+
+    def __init__(self, layer: nn.Cell, rotary: nn.Cell):
         super().__init__()
         self.layer, self.rotary = layer, rotary
 
@@ -36,7 +42,9 @@ class LayerBlock(nn.Cell):
 
 
 class HeadBlock(nn.Cell):
-    def __init__(self, norm, lm_head):
+    """(hidden, labels [B, S]) -> the mean next-token cross-entropy"""
+
+    def __init__(self, norm: nn.Cell, lm_head: nn.Cell):
         super().__init__()
         self.norm, self.lm_head = norm, lm_head
 
@@ -45,10 +53,13 @@ class HeadBlock(nn.Cell):
         return ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def model_blocks(model) -> list[nn.Cell]:
-    """[embed, layer 0, ..., layer n-1, head] over the model's own Cells (weights shared)."""
+def pipeline_blocks(model) -> list[nn.Cell]:
+    """``[embed, layer 0, ..., layer n-1, head]`` over the model's own Cells, HF names kept.
+
+    The MTP modules of DeepSeek-V3 are not part of the blocks (they train through
+    ``mtp_forward``). A tied LM head is refused: its weight would sit on two pipeline ranks."""
     if model.lm_head is None:
-        raise ValueError("a tied LM head would put one weight on two pipeline ranks; use an untied model")
+        raise ModelError("tie_word_embeddings=True puts one weight on two pipeline ranks: untie it to cut into blocks")
     hf_names = {id(p): p.name for p in model.get_parameters()}
     inner = model.model
     blocks = [EmbedBlock(inner.embed_tokens)]

@@ -234,11 +234,10 @@ def bench_makespan(quick):
 # ------------------------------------------------------------------------------------ D. weight sync
 def _sync_rank(group, layers, hidden, vocab, cases, reps):
     import mindspore as ms
-    import ms_models
-    from ms_reshard import ParamSpec, model_plan, stored_layout
-    from ms_reshard.execute import reshard_parameters
 
+    import ms_models
     from ms_layout import ParallelConfig, unshard
+    from ms_reshard import ParamSpec, model_plan, reshard_parameters, stored_layout
 
     ms.set_device("CPU")
     me = group.rank

@@ -88,6 +88,7 @@ def _apply_recompute(config: PretrainConfig, mine: dict) -> tuple[list, dict[int
 def _build(group, config: PretrainConfig, init_dir: str):
     """(runtime, this rank's parameters by name, applied recompute plans, their text)."""
     import mindspore as ms
+
     import ms_models
     import ms_pipeline as mp
 
@@ -107,8 +108,9 @@ def _build(group, config: PretrainConfig, init_dir: str):
 def _rank(group, config_data: dict, init_dir: str, monitor_addr: str) -> dict:
     """One pipeline rank (module-level: spawned processes import it)."""
     import mindspore as ms
-    from ms_monitor import Monitor
     from tqdm import tqdm
+
+    from ms_monitor import Monitor
 
     config = _config(config_data)
     setup_mindspore(1)
@@ -165,9 +167,8 @@ def train_specs(owner: dict[str, int], shapes: dict[str, tuple]):
     """ms-reshard specs of the trained weights: each parameter whole on the rank of its V stage.
     (ms_reshard.param_specs places pipeline stages in a loop, c % pp; ZeroBubbleV's V puts the
     head on rank 0, so the demo states the placement itself.)"""
-    from ms_reshard import ParamSpec
-
     from ms_layout import Layout
+    from ms_reshard import ParamSpec
 
     return {
         name: ParamSpec(Layout((1,), ("pp",), rank_list=(owner[name],))(*["None"] * len(shapes[name])), shapes[name])
@@ -178,9 +179,8 @@ def train_specs(owner: dict[str, int], shapes: dict[str, tuple]):
 def _train_monitored(config: PretrainConfig, init_dir: str, work: Path) -> tuple[list[dict], dict, dict]:
     """Run the ranks with an ms-monitor daemon in this process; (rank results, the daemon's
     per-rank step series, its status)."""
-    from ms_monitor import Daemon, DaemonConfig
-
     from ms_layout.comm import run_local
+    from ms_monitor import Daemon, DaemonConfig
 
     daemon = Daemon(DaemonConfig(port=0, http_port=0, trace_dir=str(work / "monitor-traces"))).start_in_thread()
     try:
@@ -214,8 +214,9 @@ def _draw(config: PretrainConfig, ranks: list[dict], work: Path) -> float:
 def _save(ranks: list[dict], work: Path) -> dict[str, int]:
     """The trained weights as a sharded checkpoint (one file per rank, a manifest with checksums),
     and the weights after step 1 for the probe; returns each parameter's rank."""
-    from ms_reshard.checkpoint import save_checkpoint
     from safetensors.numpy import save_file
+
+    from ms_reshard import save_checkpoint
 
     owner = {name: r["rank"] for r in ranks for name in r["params"]}
     arrays = {name: r["params"][name] for r in ranks for name in r["params"]}

@@ -33,9 +33,8 @@ class ReshardConfig:
 
 def serve_specs(src: dict, rank: int) -> dict:
     """Every parameter whole on `rank` (a one-rank tensor-parallel mesh)."""
-    from ms_reshard import ParamSpec
-
     from ms_layout import Layout
+    from ms_reshard import ParamSpec
 
     return {
         name: ParamSpec(Layout((1,), ("tp",), rank_list=(rank,))(*["None"] * len(s.shape)), s.shape, s.dtype)
@@ -45,9 +44,9 @@ def serve_specs(src: dict, rank: int) -> dict:
 
 def run(config: ReshardConfig, work: Path) -> StageResult:
     import mindspore as ms
+
     import ms_models
-    from ms_reshard import model_plan
-    from ms_reshard.checkpoint import load_checkpoint, load_manifest, reshard_checkpoint
+    from ms_reshard import load_checkpoint, load_manifest, model_plan, reshard_checkpoint
 
     result = StageResult("reshard")
     with timed(result):

@@ -91,6 +91,7 @@ def _torch_run(path: str, ids: np.ndarray, labels: np.ndarray):
 
 def _rows(batch: int, seq: int, warmup: int, reps: int) -> list[dict]:
     import mindspore as ms
+
     from ms_models import from_pretrained, make_tiny
 
     ms.set_device("CPU")

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 from _common import machine_info, print_table, write_result
+
 from ms_monitor import Monitor
 
 STEP_S = 0.05

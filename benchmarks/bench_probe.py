@@ -37,6 +37,7 @@ def _steps(model_dir: str, ids: np.ndarray, work: Path, reps: int) -> tuple[list
     import mindspore as ms
     import torch
     import transformers
+
     from ms_models import from_pretrained
     from ms_probe import PrecisionDebugger
 
@@ -156,6 +157,7 @@ def main() -> int:
     args = ap.parse_args()
 
     import mindspore as ms
+
     from ms_models import make_tiny
 
     ms.set_device("CPU")

@@ -53,6 +53,7 @@ def _allreduce_ms(group, n: int, reps: int) -> float:
 
 def _size(group, size, warm: int, reps: int, keep_trace: bool) -> dict:
     import mindspore as ms
+
     import ms_models
     from ms_recompute import RecomputePlan
     from ms_recompute.runtime import apply_plan, tp_model
@@ -143,8 +144,9 @@ def _memory(group, spec: str) -> dict:
     import gc
 
     import mindspore as ms
-    import ms_models
     from mindspore import ops
+
+    import ms_models
     from ms_recompute import RecomputePlan, Shape, model_memory, predict
     from ms_recompute.runtime import SavedTensorMeter, apply_plan
 

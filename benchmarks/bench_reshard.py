@@ -26,10 +26,10 @@ import time
 
 import numpy as np
 from _common import machine_info
-from ms_reshard import DEFAULT_FUSIONS, PlanCache, model_plan, param_specs, plan
-from ms_reshard.plan import naive_gather_bytes
 
 from ms_layout import Layout, ParallelConfig
+from ms_reshard import DEFAULT_FUSIONS, PlanCache, model_plan, param_specs, plan
+from ms_reshard.plan import naive_gather_bytes
 
 GB, MB = 1e9, 1e6
 

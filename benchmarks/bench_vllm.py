@@ -109,10 +109,11 @@ def timing_row(case, ours, base, base_label=""):
 def quant_rows(path, root):
     """Logits error, perplexity and weight bytes of W8A8 and W4A16 against the float model."""
     import mindspore as ms
+    from tokenizers import Tokenizer
+
     import ms_models
     from ms_vllm.cli import DEFAULT_PROMPTS
     from ms_vllm.quant import load_quantized, quantize_checkpoint, weight_bytes
-    from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
     calib = [tok.encode(t).ids for t in DEFAULT_PROMPTS]
@@ -159,8 +160,9 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/vllm.json")
     args = ap.parse_args()
     import mindspore as ms
-    import ms_models
     import torch
+
+    import ms_models
 
     ms.set_device("CPU")
     torch.set_num_threads(max(1, os.cpu_count() or 1))

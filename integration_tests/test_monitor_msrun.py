@@ -8,6 +8,7 @@ import os
 import threading
 
 from conftest import SCRIPTS, logs, run_msrun
+
 from ms_monitor import Daemon, DaemonConfig, check_chrome_trace
 from ms_monitor.cli import main as ms_monitor
 

@@ -12,6 +12,7 @@ import time
 
 import _tiny
 import pytest
+
 from ms_monitor import Daemon, DaemonConfig
 from ms_monitor.cli import main as ms_monitor
 
@@ -24,8 +25,9 @@ PHASES = {"F": "forward", "B": "backward", "W": "backward_weight", "BW": "backwa
 
 
 def _rank(group, addr: str) -> dict:
-    import ms_pipeline as mp
     from mindspore import nn
+
+    import ms_pipeline as mp
     from ms_monitor import Monitor
 
     class MonitoredRuntime(mp.runtime.PipelineRuntime):

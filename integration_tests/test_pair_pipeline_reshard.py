@@ -64,6 +64,7 @@ def _empty(specs, rank: int, tag: str) -> dict:
 
 def _rank(group):
     from mindspore import nn
+
     from ms_reshard import model_plan, reshard_parameters
 
     me = group.rank

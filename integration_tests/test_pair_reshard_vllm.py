@@ -49,6 +49,7 @@ def _train_shards(original):
 
 def test_resharded_checkpoint_served_by_vllm_equals_reference(tmp_path):
     import mindspore as ms
+
     import ms_models
     from ms_reshard import load_manifest, model_plan, reshard_checkpoint, save_checkpoint
 

@@ -19,6 +19,7 @@ CONFIG = dict(jit=True, seed=0, steps=2, optimizer_shard=True)
 
 def _rank(group, config: dict) -> dict:
     import mindspore as ms
+
     from ms_rlhf import GRPOTrainer, TrainConfig
 
     ms.set_device("CPU")

@@ -28,6 +28,7 @@ VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNIN
 
 def _rank(group, config: dict) -> dict:
     import mindspore as ms
+
     from ms_rlhf import GRPOTrainer, TrainConfig, VllmEngine
 
     ms.set_device("CPU")

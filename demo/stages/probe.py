@@ -51,6 +51,7 @@ def _stack(step_batches):
 
 def _dump(model, ids, labels, path: Path) -> None:
     import mindspore as ms
+
     from ms_probe import PrecisionDebugger
 
     debugger = PrecisionDebugger(dump_path=str(path), task="tensor", level="L0")
@@ -62,9 +63,10 @@ def _dump(model, ids, labels, path: Path) -> None:
 
 def run(config: ProbeConfig, pretrain: PretrainConfig, work: Path) -> StageResult:
     import mindspore as ms
+    from safetensors.numpy import load_file
+
     import ms_models
     from ms_probe import compare_dirs, write_results
-    from safetensors.numpy import load_file
 
     result = StageResult("probe")
     with timed(result):

@@ -50,8 +50,9 @@ def _logprobs(model, prompt: list[int], answer: list[int]) -> np.ndarray:
 def run(config: ServeConfig, work: Path) -> StageResult:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its CPU-fallback notices are expected here
-    import ms_models
     from vllm import LLM, SamplingParams
+
+    import ms_models
 
     result = StageResult("serve")
     with timed(result):

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 
 ms = pytest.importorskip("mindspore")
-import ms_models  # noqa: E402
 from mindspore import ops  # noqa: E402
+
+import ms_models  # noqa: E402
 
 pytestmark = pytest.mark.needs_mindspore
 

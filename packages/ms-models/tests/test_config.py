@@ -3,6 +3,7 @@
 import json
 
 import pytest
+
 from ms_models import DeepseekV3Config, LlamaConfig, ModelError, Qwen2Config, config_from_dict, load_config, tiny_config
 from ms_models.config import CONFIG_CLASSES
 

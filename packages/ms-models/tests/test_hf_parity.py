@@ -38,6 +38,7 @@ def test_text_prompt_through_autotokenizer(arch, tiny_dirs, tiny_models):
 
 def test_moe_dispatch_equals_dense(tiny_dirs):
     import mindspore as ms
+
     from ms_models import from_pretrained
 
     model = from_pretrained(tiny_dirs["deepseek_v3"])
@@ -79,6 +80,7 @@ VARIANTS = {
 def test_config_variants_match_transformers(variant, tmp_path):
     import mindspore as ms
     import torch
+
     from ms_models import from_pretrained, make_tiny
 
     arch, overrides = VARIANTS[variant]

@@ -6,6 +6,7 @@ import os
 import numpy as np
 import pytest
 from conftest import random_ids
+
 from ms_models import (
     ModelError,
     from_config,

@@ -10,6 +10,7 @@ pytestmark = pytest.mark.needs_mindspore
 def test_jit_value_and_grad_equals_pynative(tiny_dirs):
     import mindspore as ms
     from mindspore import ops
+
     from ms_models import from_pretrained
 
     model = from_pretrained(tiny_dirs["deepseek_v3"])  # MLA, routed MoE and group-limited top-k

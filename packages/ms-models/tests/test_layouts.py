@@ -1,10 +1,10 @@
 """Every parameter gets an ms-layout placement whose layout divides its shape."""
 
 import pytest
-from ms_models import ModelError, model_layouts, tiny_config
-from ms_models.layouts import param_shapes
 
 from ms_layout import LayoutError, ParallelConfig, Role
+from ms_models import ModelError, model_layouts, tiny_config
+from ms_models.layouts import param_shapes
 
 CONFIGS = [
     ParallelConfig(),

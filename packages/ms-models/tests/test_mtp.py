@@ -7,6 +7,7 @@ ops and HF's own DeepseekV3DecoderLayer, loaded with the checkpoint's `model.lay
 import numpy as np
 import pytest
 from conftest import hf_model, random_ids, rel_err
+
 from ms_models import ModelError, read_safetensors
 
 pytestmark = [pytest.mark.needs_torch, pytest.mark.needs_mindspore]

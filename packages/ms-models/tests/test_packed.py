@@ -4,6 +4,7 @@ gradients equal those of running the samples one by one."""
 import numpy as np
 import pytest
 from conftest import ARCHS, random_ids
+
 from ms_models import ModelError, packed_positions
 
 LENGTHS = (5, 3, 8)
@@ -48,6 +49,7 @@ def _loss_fn(model, weights):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_packed_gradients_equal_per_sample(arch, tiny_dirs):
     import mindspore as ms
+
     from ms_models import from_pretrained
 
     model = from_pretrained(tiny_dirs[arch])

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 from conftest import ARCHS, hf_model, random_ids, rel_err
+
 from ms_models import ModelError, PagedMetadata
 from ms_models.generate import BlockAllocator, generate_greedy, generate_greedy_recompute
 

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from ms_models import PagedMetadata
 from ms_models.paged_cache import from_padded, gather_context, to_padded, write_cache
 

@@ -10,6 +10,7 @@ import time
 import urllib.request
 
 import pytest
+
 from ms_monitor import Daemon, DaemonConfig, Monitor
 
 

@@ -9,6 +9,7 @@ import urllib.request
 import msgpack
 import pytest
 from conftest import Ranks, get_json, wait_for
+
 from ms_monitor import Daemon, DaemonConfig, Monitor, MonitorError, wire
 from ms_monitor.shipper import read_frame
 

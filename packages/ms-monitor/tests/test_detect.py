@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from ms_monitor import Detector, DetectorConfig, MonitorError
 from ms_monitor.detect import slow_ranks, step_jitter
 

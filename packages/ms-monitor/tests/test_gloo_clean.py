@@ -14,6 +14,7 @@ def synthetic_rank(group, addr, steps):
     import time
 
     import numpy as np
+
     from ms_monitor import Monitor
 
     mon = Monitor(rank=group.rank, world_size=group.size, addr=addr, tokens_per_step=2048)

@@ -19,9 +19,10 @@ import urllib.request
 
 import pytest
 from conftest import get_json, wait_for
+from prometheus_client.parser import text_string_to_metric_families
+
 from ms_monitor import check_chrome_trace
 from ms_monitor.cli import main as cli
-from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = [pytest.mark.needs_torch, pytest.mark.needs_mindspore]
 
@@ -31,8 +32,9 @@ SLOW_RANK, SLOW_SECONDS = 2, 0.25
 def gloo_rank(group, addr, stop_file, slow_file, max_steps):
     """One rank: a jitted MindSpore step, then an all-reduce that also carries rank 0's stop flag."""
     import numpy as np
-    from ms_monitor import Monitor
     from ms_train import make_step
+
+    from ms_monitor import Monitor
 
     step = make_step(seed=group.rank)
     mon = Monitor(rank=group.rank, world_size=group.size, addr=addr, samples_per_step=16)

@@ -10,8 +10,9 @@ import textwrap
 import numpy as np
 import pytest
 from conftest import get_json, wait_for
-from ms_monitor import Monitor, check_chrome_trace
 from ms_train import make_step
+
+from ms_monitor import Monitor, check_chrome_trace
 
 pytestmark = pytest.mark.needs_mindspore
 
@@ -20,6 +21,7 @@ def test_model_callback_reports_every_step_with_batch_size(daemon):
     import mindspore as ms
     import mindspore.dataset as ds
     from mindspore import nn
+
     from ms_monitor import MonitorCallback
 
     ms.set_device("CPU")

@@ -5,10 +5,11 @@ import json
 import struct
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
 from ms_monitor import MonitorError
 from ms_monitor.exporters import JsonlWriter, TensorBoardWriter, prometheus_text
 from ms_monitor.store import Store
-from prometheus_client.parser import text_string_to_metric_families
 
 
 def s(rank, step, dt=0.05, ct=0.01, **kw):

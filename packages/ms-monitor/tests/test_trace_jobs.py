@@ -5,6 +5,7 @@ import os
 
 import pytest
 from conftest import Ranks, get_json, wait_for
+
 from ms_monitor import Daemon, DaemonConfig, check_chrome_trace
 from ms_monitor.cli import main, parse_ranks
 

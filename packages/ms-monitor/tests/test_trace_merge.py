@@ -3,6 +3,7 @@
 import json
 
 import pytest
+
 from ms_monitor import MonitorError, check_chrome_trace, merge
 from ms_monitor.trace_merge import events_from_cpu_timestamps, events_from_trace_view
 

@@ -5,6 +5,7 @@ import struct
 
 import msgpack
 import pytest
+
 from ms_monitor import WireError, wire
 
 

@@ -12,6 +12,7 @@ import pytest
 
 ms = pytest.importorskip("mindspore")
 from mindspore import nn, ops  # noqa: E402
+
 from ms_pipeline import LayerPlacement, ScheduleError  # noqa: E402
 from ms_pipeline.runtime import Stage, ToyModel, split_blocks, toy_batch  # noqa: E402
 from ms_pipeline.runtime.deferred_dw import is_linear  # noqa: E402

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 
-import ms_pipeline as mp
 import pytest
+
+import ms_pipeline as mp
 from ms_pipeline.draw import chrome_trace, draw_png, read_chrome_trace, write_chrome_trace
 
 pytest.importorskip("matplotlib")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 
-import ms_pipeline as mp
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
+import ms_pipeline as mp
 from ms_pipeline import Action, Kind, Schedule, ScheduleError
 
 ATOM_KINDS = [k for k in Kind if k is not Kind.OVERLAP_F_B]

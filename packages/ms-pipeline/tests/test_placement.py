@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import ms_pipeline as mp
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
+import ms_pipeline as mp
 from ms_pipeline import LayerPlacement, ScheduleError
 
 

@@ -12,8 +12,9 @@ import pytest
 
 ms = pytest.importorskip("mindspore")
 pytest.importorskip("torch")
-import ms_pipeline as mp  # noqa: E402
 from mindspore import nn  # noqa: E402
+
+import ms_pipeline as mp  # noqa: E402
 from ms_pipeline.runtime import ToyModel, reference_step, split_blocks, toy_batch  # noqa: E402
 
 # spawning MindSpore ranks on 2 shared cores takes minutes, beyond the 300 s default

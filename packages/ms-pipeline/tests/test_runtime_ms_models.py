@@ -15,8 +15,9 @@ import pytest
 ms = pytest.importorskip("mindspore")
 pytest.importorskip("torch")
 ms_models = pytest.importorskip("ms_models")
-import ms_pipeline as mp  # noqa: E402
 from mindspore import ops  # noqa: E402
+
+import ms_pipeline as mp  # noqa: E402
 
 # spawning MindSpore ranks on 2 shared cores takes minutes, beyond the 300 s default
 pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch, pytest.mark.timeout(1500)]

@@ -7,8 +7,9 @@ ZB1P (PP-1)(F+B-2W) with B there the full backward).
 
 from __future__ import annotations
 
-import ms_pipeline as mp
 import pytest
+
+import ms_pipeline as mp
 from ms_pipeline import CostModel, Event, ScheduleError
 
 GRID = [(p, m) for p in (2, 4, 8) for m in (p, 2 * p, 3 * p, 4 * p)]

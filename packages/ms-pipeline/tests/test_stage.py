@@ -7,6 +7,7 @@ import pytest
 
 ms = pytest.importorskip("mindspore")
 from mindspore import Parameter, nn, ops  # noqa: E402
+
 from ms_pipeline import ScheduleError  # noqa: E402
 from ms_pipeline.runtime import Stage  # noqa: E402
 

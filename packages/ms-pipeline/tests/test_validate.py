@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import ms_pipeline as mp
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import ms_pipeline as mp
 from ms_pipeline import Action, Kind, Schedule, ScheduleError
 
 SIZES = [(p, m) for p in (2, 4, 8) for m in range(p, 4 * p + 1)]

@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 def tiny_llama(tmp_path_factory):
     """A tiny seeded ms-models Llama checkpoint (HF layout) that transformers reads as is."""
     import mindspore as ms
+
     from ms_models import make_tiny
 
     ms.set_device("CPU")

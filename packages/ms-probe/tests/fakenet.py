@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
 from ms_probe.config import DumpConfig
 from ms_probe.recorder import Recorder
 

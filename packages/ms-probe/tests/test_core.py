@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from ms_probe import DumpConfig, ProbeError, config_from_dict, load_config, load_mapping, mapping_from_dict
 from ms_probe.mapping import Template, shipped_mappings
 from ms_probe.metrics import stat_metrics, tensor_metrics

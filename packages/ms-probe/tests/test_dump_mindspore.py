@@ -5,6 +5,7 @@ import os
 
 import numpy as np
 import pytest
+
 from ms_probe import PrecisionDebugger, ProbeError, compare_dirs
 
 pytestmark = pytest.mark.needs_mindspore

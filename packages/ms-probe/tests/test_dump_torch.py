@@ -5,6 +5,7 @@ import os
 
 import numpy as np
 import pytest
+
 from ms_probe import PrecisionDebugger
 
 pytestmark = pytest.mark.needs_torch
@@ -59,6 +60,7 @@ def test_list_of_models_and_data_mode(tmp_path):
 
 def test_one_folder_per_rank_from_the_launcher_environment(tmp_path, monkeypatch):
     import torch
+
     from ms_probe import compare_dirs
 
     for side, bad_rank in (("t", 1), ("g", None)):

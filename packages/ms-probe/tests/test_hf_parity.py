@@ -10,6 +10,7 @@ import types
 import numpy as np
 import pytest
 from conftest import screenshot
+
 from ms_probe import PrecisionDebugger, compare_dirs, load_mapping, write_results
 from ms_probe.cli import main
 
@@ -33,6 +34,7 @@ def dump_hf(path, model_dir, task):
 
 def dump_ms(path, model_dir, task, bug=None):
     import mindspore as ms
+
     from ms_models import from_pretrained
 
     model = from_pretrained(model_dir)
@@ -120,6 +122,7 @@ def test_cli_json_and_report_screenshot(tiny_llama, golden, tmp_path, capsys):
 
 def dump_ds(path, model_dir, bug):
     import mindspore as ms
+
     from ms_models import from_pretrained
 
     model = from_pretrained(model_dir)
@@ -138,6 +141,7 @@ def test_deepseek_v3_mla_and_moe(tmp_path):
     expert of layer 2 is found."""
     import torch
     import transformers
+
     from ms_models import make_tiny
 
     model_dir = make_tiny("deepseek_v3", tmp_path / "ds", seed=5)

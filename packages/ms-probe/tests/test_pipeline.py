@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from conftest import screenshot
 from fakenet import MLPNet, dump_fake
+
 from ms_probe import ProbeError, auto_align, compare_dirs, load_rank, mapping_from_dict
 from ms_probe.cli import main
 
@@ -55,6 +56,7 @@ def test_filters_list_scope_steps_and_data_mode(tmp_path):
     assert all("input_args" not in v and "output" in v for v in d["data"].values())
     assert dump_fake(tmp_path / "e", MLPNet(), step=1, **{"step_list": None} if False else {}) is not None
     from fakenet import NumpyAdapter
+
     from ms_probe.config import DumpConfig
     from ms_probe.recorder import Recorder
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from ms_recompute import RecomputePlan, Shape, model_memory
 from ms_recompute.cli import main, parse_bytes
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from ms_recompute import RecomputeError, pair_layers
 from ms_recompute.draw import draw_timeline
 

@@ -4,6 +4,7 @@ test_memory_measured.py, which needs MindSpore)."""
 from __future__ import annotations
 
 import pytest
+
 from ms_recompute import RecomputeError, Shape, layer_memory, megatron_bytes, model_memory, shared_bytes
 
 LLAMA = {

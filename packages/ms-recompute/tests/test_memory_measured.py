@@ -11,10 +11,11 @@ reads (RoPE cos/sin, the mask: ``shared_bytes``), which a checkpoint holds once.
 from __future__ import annotations
 
 import mindspore as ms
-import ms_models
 import numpy as np
 import pytest
 from mindspore import ops
+
+import ms_models
 from ms_recompute import Granularity, RecomputePlan, Shape, model_memory, plan_recompute, shared_bytes
 from ms_recompute.runtime import SavedTensorMeter, apply_plan
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from ms_recompute import Granularity, LayerPlan, Prediction, RecomputeError, RecomputePlan
 
 import ms_layout
+from ms_recompute import Granularity, LayerPlan, Prediction, RecomputeError, RecomputePlan
 
 
 def test_text_form_round_trips_and_groups_runs():

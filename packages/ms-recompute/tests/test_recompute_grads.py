@@ -5,10 +5,11 @@ backward ms-pipeline runs (input gradients first, weight gradients in a second p
 from __future__ import annotations
 
 import mindspore as ms
-import ms_models
 import numpy as np
 import pytest
 from mindspore import ops
+
+import ms_models
 from ms_recompute import RecomputeError, RecomputePlan
 from ms_recompute.runtime import apply_plan, checkpoint
 

@@ -64,11 +64,11 @@ def _executed(events):
 
 def _rank(group):
     import mindspore as ms
+
     import ms_models
+    from ms_layout import shard
     from ms_recompute import RecomputePlan
     from ms_recompute.runtime import apply_plan, tp_model
-
-    from ms_layout import shard
 
     ms.set_device("CPU")
     full = ms_models.from_config(ms_models.tiny_config("llama", num_hidden_layers=LAYERS), seed=0)

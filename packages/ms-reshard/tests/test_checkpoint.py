@@ -6,12 +6,12 @@ import json
 
 import numpy as np
 import pytest
-from ms_reshard import DEFAULT_FUSIONS, ReshardError, param_specs
-from ms_reshard.checkpoint import load_checkpoint, save_checkpoint
-from ms_reshard.cli import main
 from tiny_llama import expected_shard, llama_shapes, random_weights
 
 from ms_layout import ParallelConfig
+from ms_reshard import DEFAULT_FUSIONS, ReshardError, param_specs
+from ms_reshard.checkpoint import load_checkpoint, save_checkpoint
+from ms_reshard.cli import main
 
 TRAIN = ParallelConfig(dp=2, tp=2, optimizer_shard=True)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+
+from ms_layout import Layout, dumps
 from ms_reshard import ReshardError
 from ms_reshard.cli import main, parse_config
 from ms_reshard.layout_text import format_layout, parse_layout
-
-from ms_layout import Layout, dumps
 
 
 def test_layout_text_round_trip():

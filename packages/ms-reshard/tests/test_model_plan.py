@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tiny_llama import HEAD_DIM, KV_HEADS, expected_shard, llama_shapes, random_weights
+
+from ms_layout import ParallelConfig
 from ms_reshard import (
     DEFAULT_FUSIONS,
     FusionRule,
@@ -15,9 +18,6 @@ from ms_reshard import (
     rules_from_data,
     validate,
 )
-from tiny_llama import HEAD_DIM, KV_HEADS, expected_shard, llama_shapes, random_weights
-
-from ms_layout import ParallelConfig
 
 
 def _source_shards(specs, weights, fusions):

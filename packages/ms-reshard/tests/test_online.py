@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from ms_reshard import DEFAULT_FUSIONS, model_plan, param_specs, plan
 from tiny_llama import expected_shard, llama_shapes, random_weights
 
 from ms_layout import Layout, ParallelConfig
+from ms_reshard import DEFAULT_FUSIONS, model_plan, param_specs, plan
 
 L4 = Layout((4,), ("tp",))
 L22 = Layout((2, 2), ("dp", "tp"))
@@ -82,6 +82,7 @@ def _specs(name):
 
 def rank_mindspore_params(group):
     import mindspore as ms
+
     from ms_reshard.execute import reshard_parameters
 
     me, out = group.rank, {}

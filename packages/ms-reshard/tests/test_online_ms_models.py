@@ -32,6 +32,7 @@ def _specs(cfg, parallel, sharded):
 
 def rank_ms_models(group):
     import mindspore as ms
+
     import ms_models
     from ms_reshard import model_plan
     from ms_reshard.execute import reshard_parameters

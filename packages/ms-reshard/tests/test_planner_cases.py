@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from ms_reshard import OpKind, ReshardError, apply_local, plan
-from ms_reshard.validate import validate
 from strategies import shards_of
 
 from ms_layout import Layout, ParallelConfig, Role, optimizer_layout, weight_layout
+from ms_reshard import OpKind, ReshardError, apply_local, plan
+from ms_reshard.validate import validate
 
 
 def _run(src, dst, shape, **kw):

@@ -7,10 +7,11 @@ import math
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import layout_pairs, lower_bound_by_masks, shards_of
+
 from ms_reshard import OpKind, apply_local, plan
 from ms_reshard.serialize import plan_from_bytes, plan_to_bytes
 from ms_reshard.validate import validate
-from strategies import layout_pairs, lower_bound_by_masks, shards_of
 
 
 def _global(shape, seed=0):

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from ms_reshard import ReshardError, param_specs, stored_layout
 
 from ms_layout import ParallelConfig, param_placement
+from ms_reshard import ReshardError, param_specs, stored_layout
 
 
 def moe_shapes(layers=4, experts=8):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+
 from ms_reshard.fusion import split_name
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 16, 4, 2, 4, 32, 64

@@ -25,6 +25,7 @@ def params(model) -> dict[str, np.ndarray]:
 def reference_run():
     """A 40-step single-process run with snapshots of the three models after steps 1, 2 and 6."""
     import mindspore as ms
+
     from ms_rlhf import TrainConfig
     from ms_rlhf.runtime.trainer import GRPOTrainer
 

@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pytest
+
 from ms_rlhf import CheckpointError, checkpoint
 from ms_rlhf.runtime.group import SingleProcessGroup
 

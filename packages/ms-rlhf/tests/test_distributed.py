@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch]
 
 def rank_run(group, config: dict) -> dict:
     import mindspore as ms
+
     from ms_rlhf import TrainConfig
     from ms_rlhf.runtime.trainer import GRPOTrainer
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from ms_rlhf import contiguous_split, make_task, uniform_split
 
 pytestmark = pytest.mark.needs_mindspore
@@ -13,6 +14,7 @@ pytestmark = pytest.mark.needs_mindspore
 @pytest.fixture(scope="module")
 def model():
     import mindspore as ms
+
     import ms_models
 
     ms.set_device("CPU")

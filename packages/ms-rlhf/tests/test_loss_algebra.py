@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from ms_rlhf import AGGREGATIONS, build_row, group_advantages, pack, reference_loss, sample_weights, token_terms
 from ms_rlhf.loss import per_response_token, per_token, scatter_response
 

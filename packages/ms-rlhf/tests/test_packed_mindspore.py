@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from ms_rlhf import build_row, pack, sample_weights
 
 pytestmark = pytest.mark.needs_mindspore
@@ -21,6 +22,7 @@ CLIP, BETA, WIDTH, ROWS = 0.2, 0.05, 32, 2
 @pytest.fixture(scope="module")
 def setup():
     import mindspore as ms
+
     import ms_models
 
     ms.set_device("CPU")

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from ms_rlhf import PackingError, PackPlan, lower_bound, next_fit, pack, plan_packs, token_bound
 
 

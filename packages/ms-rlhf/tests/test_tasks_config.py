@@ -7,6 +7,7 @@ import json
 import msgpack
 import numpy as np
 import pytest
+
 from ms_rlhf import PromptStream, RLHFError, TrainConfig, load_config, make_task
 
 

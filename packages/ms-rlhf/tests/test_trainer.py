@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import CONFIG, STEPS, params
+
 from ms_rlhf import TrainConfig
 
 pytestmark = pytest.mark.needs_mindspore

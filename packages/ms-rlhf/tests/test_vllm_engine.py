@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch]
 
 def test_vllm_rollouts_follow_the_synced_policy():
     import mindspore as ms
+
     from ms_rlhf import TrainConfig
     from ms_rlhf.runtime.trainer import GRPOTrainer
     from ms_rlhf.runtime.vllm_engine import VllmEngine

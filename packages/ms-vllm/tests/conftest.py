@@ -28,6 +28,7 @@ def tiny_dirs(tmp_path_factory):
 def reference(tiny_dirs):
     """reference(arch, prompt, n): ms-models' greedy tokens (a full forward per token, no cache)."""
     import mindspore as ms
+
     from ms_models import from_pretrained, generate_greedy_recompute
 
     ms.set_device("CPU")

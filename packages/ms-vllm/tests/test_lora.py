@@ -38,6 +38,7 @@ def write_adapter(directory, model, seed, rank=4, alpha=8.0):
 def merged_reference(path, tensors, scale, n):
     """Greedy tokens of the model with the adapter merged into its weights."""
     import mindspore as ms
+
     from ms_models import from_pretrained, generate_greedy_recompute
 
     model = from_pretrained(path)
@@ -54,9 +55,10 @@ def merged_reference(path, tensors, scale, n):
 
 def test_mixed_adapters_equal_merged_weights(tiny_dirs, reference, tmp_path):
     import mindspore as ms
-    from ms_models import from_pretrained
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
+
+    from ms_models import from_pretrained
 
     ms.set_device("CPU")
     path = tiny_dirs["llama"]
@@ -82,6 +84,7 @@ def test_mixed_adapters_equal_merged_weights(tiny_dirs, reference, tmp_path):
 
 def test_bad_adapter_is_refused(tmp_path, tiny_dirs):
     import mindspore as ms
+
     from ms_models import from_pretrained
     from ms_vllm.lora import LoRAError, LoRAManager
 

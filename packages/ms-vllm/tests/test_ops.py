@@ -19,6 +19,7 @@ def numpy_routing(x, experts, num_experts):
 
 def test_init_routing_and_combine_match_numpy():
     import mindspore as ms
+
     from ms_vllm.ops.moe_routing import moe_combine, moe_init_routing
 
     ms.set_device("CPU")
@@ -42,6 +43,7 @@ def test_init_routing_and_combine_match_numpy():
 
 def test_quantized_routing_is_int8_in_the_same_pass():
     import mindspore as ms
+
     from ms_vllm.ops.moe_routing import moe_init_routing
 
     ms.set_device("CPU")
@@ -56,6 +58,7 @@ def test_quantized_routing_is_int8_in_the_same_pass():
 def test_grouped_experts_equal_ms_models_moe(tiny_dirs):
     """Routing + grouped SwiGLU + combine reproduces ms-models' DeepSeek MoE layer (dense impl)."""
     import mindspore as ms
+
     from ms_models import from_pretrained
     from ms_vllm.ops.moe_routing import grouped_swiglu, moe_combine, moe_init_routing
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+
 from ms_vllm.parallel import ParallelError, ShardPlan, check_vllm_parallel
 
 LLAMA = dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=320)

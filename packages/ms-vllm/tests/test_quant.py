@@ -29,6 +29,7 @@ def test_int4_pack_round_trip_and_group_scales():
 
 def test_w8a8_layer_is_exact_integer_math():
     import mindspore as ms
+
     from ms_vllm.quant import W8A8Linear, quantize_w8
 
     ms.set_device("CPU")
@@ -45,6 +46,7 @@ def test_w8a8_layer_is_exact_integer_math():
 
 def test_quantize_cli_and_w4a16_equals_dequantized_float(tiny_dirs, tmp_path):
     import mindspore as ms
+
     from ms_models import from_pretrained
     from ms_vllm.cli import main
     from ms_vllm.quant import load_quantized, quantizable, weight_bytes
@@ -87,9 +89,10 @@ def test_vllm_serves_w8a8_checkpoint(tiny_dirs, tmp_path):
     reference generation, and stay close to the float logits."""
     import mindspore as ms
     from conftest import close_llm, make_llm, token_prompts
+    from vllm import SamplingParams
+
     from ms_models import from_pretrained, generate_greedy_recompute
     from ms_vllm.quant import load_quantized, quantize_checkpoint
-    from vllm import SamplingParams
 
     ms.set_device("CPU")
     dst = str(tmp_path / "w8")

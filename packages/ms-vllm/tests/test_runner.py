@@ -17,6 +17,7 @@ BLOCKS = [3, 1, 6, 2]  # 16 positions of block size 4, not contiguous
 
 def runner_for(path, drafter_k=0):
     import mindspore as ms
+
     from ms_models import from_pretrained
     from ms_vllm.model_runner import MindSporeModelRunner
     from ms_vllm.spec_decode import MTPDrafter

@@ -43,6 +43,7 @@ def _paged_logits(model, prompt, next_token):
 def _rank(group, cases):
     """Each (path, expert_parallel) case's paged logits and parameter shapes on this rank."""
     import mindspore as ms
+
     from ms_vllm.parallel import ShardPlan
     from ms_vllm.tp_model import build_tp_model
 
@@ -57,6 +58,7 @@ def _rank(group, cases):
 
 def _compare(tiny_dirs, run_ranks, cases):
     import mindspore as ms
+
     from ms_models import from_pretrained
 
     ms.set_device("CPU")

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+
 from ms_vllm.batch import RequestState, build_batch
 from ms_vllm.sampler import SamplingRow, logprobs_of, sample_row
 

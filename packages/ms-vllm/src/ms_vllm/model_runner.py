@@ -111,6 +111,7 @@ class MindSporeModelRunner:
     def forward(self, batch: StepBatch):
         """Final hidden states [T, H] (MindSpore tensor) of the flat batch; caches written in place."""
         from mindspore import Tensor
+
         from ms_models import PagedMetadata
 
         meta = PagedMetadata.build(

@@ -139,8 +139,9 @@ def calibrate(model, prompts: list[list[int]]) -> dict[str, float]:
 
 def quantize_checkpoint(src: str, dst: str, method: str, prompts: list[list[int]], group_size: int = 32) -> dict:
     """Quantize the float HF directory `src` into `dst`; returns a summary (layers, bytes)."""
-    import ms_models
     from safetensors.numpy import save_file
+
+    import ms_models
 
     if method not in METHODS:
         raise QuantError(f"method {method!r}; expected one of {METHODS}")
@@ -187,8 +188,9 @@ def quantize_checkpoint(src: str, dst: str, method: str, prompts: list[list[int]
 
 def load_quantized(path: str, method: str):
     """An ms_models model whose quantizable layers are W8A8Linear / W4A16Linear from `path`."""
-    import ms_models
     from safetensors.numpy import load_file
+
+    import ms_models
 
     config = ms_models.load_config(path)
     model = ms_models.from_config(config, seed=0)

@@ -47,6 +47,7 @@ class MTPDrafter:
     def _run(self, depth: int, ids, positions, hidden, slots, tables, seq_lens, starts, block_size):
         """One MTP module over a flat batch -> (its output hidden states, MindSpore tensor)."""
         from mindspore import Tensor
+
         from ms_models import PagedMetadata
 
         idx = depth % len(self.layers)

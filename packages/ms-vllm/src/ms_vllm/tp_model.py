@@ -174,8 +174,9 @@ def _safetensor_files(path: str) -> list[str]:
 def read_shards(path: str, config, plan: ShardPlan) -> dict[str, np.ndarray]:
     """This rank's slice of every checkpoint tensor, read with safetensors' lazy slicing (the rest of
     each tensor is never read). Routed experts are renumbered to the rank's local indices."""
-    from ms_models import model_layouts
     from safetensors import safe_open
+
+    from ms_models import model_layouts
 
     dense = model_layouts(config, plan.dense_config(), checkpoint=True)
     experts = model_layouts(config, plan.expert_config(), checkpoint=True) if plan.expert_parallel else dense

@@ -50,8 +50,9 @@ class VllmEngine:
         if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
             raise RLHFError("VllmEngine needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (weights are synced in process)")
         try:
-            import ms_vllm  # noqa: F401  (the plugin must be installed for vLLM to find MindSpore)
             from vllm import LLM
+
+            import ms_vllm  # noqa: F401  (the plugin must be installed for vLLM to find MindSpore)
         except ImportError as exc:
             raise RLHFError(f"rollout_engine='vllm' needs vllm and ms-vllm installed: {exc}") from None
         import ms_models

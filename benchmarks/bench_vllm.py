@@ -18,7 +18,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import tempfile
 import time
 
@@ -26,6 +25,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import numpy as np
+from _common import machine_info
 
 
 def best_of(fn, repeats):
@@ -248,15 +248,7 @@ def main() -> None:
     result = dict(
         benchmark="vllm",
         title="ms-vllm (vLLM 0.33 + MindSpore CPU) vs HF transformers generate; serving-feature speedups",
-        machine=dict(
-            platform=platform.platform(),
-            cpus=os.cpu_count(),
-            python=platform.python_version(),
-            torch=torch.__version__,
-            mindspore=ms.__version__,
-            load_average=os.getloadavg()[0],
-            quick=args.quick,
-        ),
+        machine=machine_info("mindspore", "torch", "vllm", "transformers", quick=args.quick),
         rows=rows,
     )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -58,3 +59,14 @@ def run_msrun(script: Path, args: list[str], workers: int, log_dir: Path, timeou
 
 def logs(log_dir: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(log_dir.glob("*")) if p.is_file())
+
+
+def wait_for(cond, timeout: float, what: str):
+    """Poll ``cond`` until it returns something truthy (returned), or fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -7,22 +7,10 @@ import json
 import os
 import threading
 
-from conftest import SCRIPTS, logs, run_msrun
+from conftest import SCRIPTS, logs, run_msrun, wait_for
 
 from ms_monitor import Daemon, DaemonConfig, check_chrome_trace
 from ms_monitor.cli import main as ms_monitor
-
-
-def wait_for(cond, timeout, what):
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_msrun_job_traced_through_mindspores_hook(tmp_path, monkeypatch):

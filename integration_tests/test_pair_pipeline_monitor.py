@@ -8,10 +8,10 @@ the same passes, and ``ms-monitor status --json`` lists both ranks at step 2."""
 from __future__ import annotations
 
 import json
-import time
 
 import _tiny
 import pytest
+from conftest import wait_for
 
 from ms_monitor import Daemon, DaemonConfig
 from ms_monitor.cli import main as ms_monitor
@@ -68,16 +68,6 @@ def _rank(group, addr: str) -> dict:
     return {"measured": measured, "losses": losses, "stats": monitor.stats()}
 
 
-def _wait(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_pipelined_ranks_report_their_phases_to_the_daemon(run_ranks, tmp_path, capsys):
     daemon = Daemon(DaemonConfig(port=0, http_port=0, trace_dir=str(tmp_path / "traces"))).start_in_thread()
     try:
@@ -87,7 +77,7 @@ def test_pipelined_ranks_report_their_phases_to_the_daemon(run_ranks, tmp_path, 
             ranks = daemon.store.status()["ranks"]
             return ranks if len(ranks) == 2 and all(r["last_step"] == STEPS for r in ranks) else None
 
-        ranks = _wait(arrived, 30, "both ranks' last samples")
+        ranks = wait_for(arrived, 30, "both ranks' last samples")
         capsys.readouterr()
         assert ms_monitor(["status", "--url", daemon.http_url, "--json"]) == 0
         status = json.loads(capsys.readouterr().out)

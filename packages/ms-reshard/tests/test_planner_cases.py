@@ -1,4 +1,4 @@
-"""Named cases from shared/reference/anchors/rlhf_reshard.md §6, and bad input."""
+"""Named cases from docs/rlhf-reshard-prior-art.md §5, and bad input."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ RoPE and the SwiGLU MLP.
 
 Weights keep Hugging Face shapes and names (`weight` is [out_features, in_features]) so that a
 checkpoint loads by name. Many `mindspore.mint` ops have no CPU kernel in MindSpore 2.10
-(shared/reference/mindspore_cpu.md), so these use `ops` forms, and RMSNorm is written out rather
+(docs/mindspore-cpu.md §11), so these use `ops` forms, and RMSNorm is written out rather
 than calling the Ascend-only fused kernel.
 """
 

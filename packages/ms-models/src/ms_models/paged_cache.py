@@ -12,7 +12,7 @@ sequences (prefill chunks and single decode tokens mixed, vLLM's `query_start_lo
 The index bookkeeping is the same for every layer, so it is done once per call in numpy
 (`PagedMetadata.build`). Writes use index assignment, which updates the tensor in place in
 PyNative mode on CPU (MindSpore's in-place arithmetic such as `add_` does not; see
-shared/reference/mindspore_cpu.md). Under `mindspore.jit` the writes would not persist, so this
+docs/mindspore-cpu.md §10.3). Under `mindspore.jit` the writes would not persist, so this
 path runs in PyNative; the per-layer math is plain ops and can be compiled by a caller that owns
 the cache as Parameters.
 """

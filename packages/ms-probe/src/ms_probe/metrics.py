@@ -1,4 +1,4 @@
-"""Compare metrics (numpy only), as msprobe defines them (anchor §1.4), N = target, B = golden:
+"""Compare metrics (numpy only), as msprobe defines them (docs/ms-probe.md, Metrics), N = target, B = golden:
 
 tensor mode: Cosine = N·B/(|N||B|), EucDist = |N-B|, MaxAbsErr = max|N-B|, MaxRelativeErr = max|N-B|/|B|,
 RMSE, One/Five Thousandths Err Ratio = share of elements whose relative error is below 0.001/0.005;

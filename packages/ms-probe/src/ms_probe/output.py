@@ -1,6 +1,6 @@
 """Compare results as files: msprobe-style CSV, JSON, and the summary (all written atomically).
 
-CSV columns follow msprobe 26.2.0 (anchor §1.4; "NPU" is the target side, "Bench" the golden),
+CSV columns follow msprobe 26.2.0 (docs/ms-probe.md, Comparing; "NPU" is the target side, "Bench" the golden),
 with ours appended: RMSE/RelL2 or Deviation, Matched_by, Module_Result, Divergence_Source.
 """
 

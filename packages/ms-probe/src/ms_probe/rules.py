@@ -1,6 +1,6 @@
 """Pass / warning / error: the thresholds and the per-module rules (numpy-free, pure).
 
-Per data item (the colour of one row), after msprobe's published rules (anchor §1.4):
+Per data item (the colour of one row), after msprobe's published rules (docs/ms-probe.md, "Pass, warning, error"):
 - tensor mode: error when shapes differ, nan/inf sit in different places, Cosine < 0.99, or the
   One Thousandth Err Ratio < 0.6; warning when that ratio < 0.9.
 - statistics mode: error when shapes differ, nan/inf counts differ, or Deviation > 0.5 (msprobe's

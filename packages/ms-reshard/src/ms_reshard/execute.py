@@ -4,8 +4,8 @@ Every rank calls ``reshard_parameters`` with the same ModelPlan and its own para
 cross between MindSpore and the process group without copies (``Tensor.asnumpy()`` shares memory
 on CPU, and ms_layout.comm wraps numpy buffers zero-copy), and the results are written into the
 target Parameters in place -- ``copy_`` when the shape is unchanged, ``set_data`` when it changes.
-In-place arithmetic (``add_``, ...) would silently do nothing on CPU (shared/reference/
-mindspore_cpu.md §8), which is why only those two are used. All writes wait until every move
+In-place arithmetic (``add_``, ...) would silently do nothing on CPU (docs/mindspore-cpu.md
+§10.3), which is why only those two are used. All writes wait until every move
 has run, so a parameter that is both a source and a target is never read after being replaced.
 """
 

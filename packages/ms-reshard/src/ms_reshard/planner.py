@@ -1,7 +1,7 @@
 """The box planner: from any layout to any layout, by intersecting target boxes with source boxes.
 
 This is the tile-intersection formulation of Alpa's cross-mesh resharding (Zhuang et al., MLSys'23,
-shared/reference/anchors/rlhf_reshard.md §3): it needs no common device matrix, so meshes that do
+docs/rlhf-reshard-prior-art.md §3): it needs no common device matrix, so meshes that do
 not factor into each other (2x3 vs 3x2), different rank counts and disjoint rank sets are all the
 same case. For every target rank:
 

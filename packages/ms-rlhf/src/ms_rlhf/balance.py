@@ -7,7 +7,7 @@ Two places need it: rollout requests spread over the DP inference instances by p
    k-tuple of subset sums; the two tuples with the largest spread are merged largest-with-smallest
    until one is left. With ``equal_size`` the items are first grouped k at a time in sorted order,
    one per subset, so every merge keeps the subset sizes equal (as verl's
-   ``get_seqlen_balanced_partitions(equal_size=True)`` does; shared/reference/anchors/rlhf_reshard.md §4).
+   ``get_seqlen_balanced_partitions(equal_size=True)`` does; docs/rlhf-reshard-prior-art.md §4).
 2. Longest-processing-time greedy (LPT), which beats LDM on some inputs; the better of the two is kept.
 3. Swap refinement: while a swap of two items (or, without equal sizes, a move of one) between the
    heaviest subset and another lowers the heavier of the two, do the best such swap.

@@ -12,7 +12,7 @@ any split -- makes L = sum_t w_t l_t, a plain sum. A sum splits over any packs, 
 DP ranks: each micro-batch contributes sum_{t in mb} w_t l_t, gradients are accumulated by
 addition and reduced over DP ranks by SUM (a DP mean must be multiplied back by dp). Computing a
 mean per micro-batch instead (token means over a pack mix samples, so short samples lose weight)
-is the bug behind OpenRLHF PR #923 and verl #5625 (shared/reference/anchors/rlhf_reshard.md §7);
+is the bug behind OpenRLHF PR #923 and verl #5625 (docs/rlhf-reshard-prior-art.md §6);
 tests/test_loss_algebra.py shows both the exact equality and the size of that error.
 
 Other aggregations are the same with other weights: "token-mean" w_t = 1/T (T loss tokens in

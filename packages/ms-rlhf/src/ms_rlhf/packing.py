@@ -7,7 +7,7 @@ it with a depth-first branch and bound (node-limited; exact for the small batche
 The bound is the larger of Martello and Toth's L2 bound and ceil(n / max_pack_count); the issue's
 ceil(total tokens / max_pack_len) is reported too. A sample longer than `max_pack_len` is an
 error naming it: mindrlhf's next-fit packer silently truncated such samples (its
-``pad_sequence_to_length`` slices; shared/reference/anchors/rlhf_reshard.md §1.3).
+``pad_sequence_to_length`` slices; docs/rlhf-reshard-prior-art.md §2).
 
 :class:`Pack` carries what a varlen forward needs: cumulative sequence lengths (FlashAttention's
 cu_seqlens), positions that restart at 0 per sample, and the sample id of every token.

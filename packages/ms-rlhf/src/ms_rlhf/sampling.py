@@ -7,7 +7,7 @@ of prompt p, so group order (what group-normalised advantages need) is request o
 
 * :func:`contiguous_split` is the baseline: requests in group order, cut into dp contiguous slices,
   so every group sits on one instance and a prompt with long answers makes its instance the
-  straggler (verl's ``repeat(interleave=True)`` then chunk; shared/reference/anchors/rlhf_reshard.md §1.2).
+  straggler (verl's ``repeat(interleave=True)`` then chunk; docs/rlhf-reshard-prior-art.md §1).
 * :func:`uniform_split` spreads each group evenly: request r goes to instance ``r % dp``, so every
   instance gets floor(n/dp) or ceil(n/dp) samples of every prompt and the instance sizes differ by
   at most one. Long-answer prompts then load every instance alike.

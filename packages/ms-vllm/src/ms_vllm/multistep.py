@@ -1,6 +1,6 @@
 """Multi-step decoding: several decode iterations per engine step, with vLLM V1's scheduler.
 
-vLLM V1 dropped V0's multi-step scheduler (shared/reference/vllm_cpu.md), so this is plugin-side,
+vLLM V1 dropped V0's multi-step scheduler (docs/vllm-cpu.md §5), so this is plugin-side,
 split in two halves that must agree:
 
 * the worker (model_runner.py), on a batch where every request decodes one token, runs up to

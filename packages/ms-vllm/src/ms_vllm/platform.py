@@ -1,7 +1,7 @@
 """The MindSpore platform: how vLLM's engine learns to use our worker instead of its CUDA one.
 
 vLLM picks exactly one out-of-tree platform returned by a `vllm.platform_plugins` entry point over
-its built-ins (shared/reference/vllm_cpu.md). The platform routes the engine to
+its built-ins (docs/vllm-cpu.md §2). The platform routes the engine to
 `ms_vllm.worker.MindSporeWorker`, turns off what only makes sense for torch models on a GPU
 (torch.compile, CUDA graphs, async scheduling), checks the parallel settings (parallel.py) and,
 when multi-step decoding is asked for, swaps in the plugin's scheduler. MindSpore itself is not

@@ -3,7 +3,7 @@
 MindSpore 2.10's CPU backend (mccl) lacks several operations and dtypes, and a failed mccl op can
 leave the peers' ring out of step (a later collective then hangs or reads the wrong message).
 So everything the CPU backend cannot do is refused *before* calling MindSpore, from the table
-``CAPABILITIES`` (measured on 2 CPU ranks; see shared/reference/mindspore_cpu.md section 1.2).
+``CAPABILITIES`` (measured on 2 CPU ranks; see docs/mindspore-cpu.md §2.2).
 
 Other facts this module relies on (measured):
 * ``Tensor.from_numpy`` shares memory and the CPU ops write into it, but PyNative runs them

@@ -5,7 +5,7 @@ only by the optimizer, so it can fill a bubble). For ``y = x W^T + b`` the dW ha
 reductions over what the dx half already has at hand: ``dW = g^T x`` and ``db = sum(g)``, with
 ``x`` the layer's input and ``g`` its output gradient. Megatron's ``WeightGradStore`` queues the
 pair and runs the GEMM later; this module does the same for MindSpore with public Cell hooks
-(shared/reference/mindspore_cpu.md, section 3, recipe 2, checked there and in the tests):
+(docs/mindspore-cpu.md §5, recipe 2, verified there and in the tests):
 
 * a forward hook pushes each linear cell's input on a stack of that cell (PyNative only);
 * a backward hook pops the newest input of the cell (backward runs in reverse order, and a

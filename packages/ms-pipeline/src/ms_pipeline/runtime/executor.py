@@ -11,7 +11,7 @@ that those cannot deadlock.
 Gradients accumulate over the microbatches (the last stage seeds each backward with 1/m, so they
 are the gradient of the mean loss), and :meth:`PipelineRuntime.optimizer_step` applies them with
 a MindSpore ``nn`` optimizer (``nn.SGD``/``nn.Adam``; ``mint.optim`` silently does not update on
-CPU, see shared/reference/mindspore_cpu.md section 8).
+CPU, see docs/mindspore-cpu.md §10.2).
 
 Every computation and every wait for a receive is recorded (wall-clock start and end), so a real
 step can be drawn, exported as a Chrome trace and measured like a simulated one.

@@ -10,7 +10,7 @@ Two ways to split the backward into dx and dW (``dw=``):
   (:mod:`.deferred_dw`); W is then just ``dW = g^T x`` and ``db = sum(g)`` per queued pair. The
   first time a stage runs W it checks the deferred gradients against a full ``ms.grad`` once.
 * ``"recompute"`` (the only choice under ``jit``: hooks do not run in graph mode), the "generic
-  block level" recipe (shared/reference/mindspore_cpu.md, section 3) applied to the stage as one
+  block level" recipe (docs/mindspore-cpu.md §5, recipe 3) applied to the stage as one
   block: B is ``ms.grad(stage, grad_position=0, sens_param=True)`` and W is
   ``ms.grad(stage, grad_position=None, weights=..., sens_param=True)`` on the saved input and
   output gradient, so W costs a forward and a backward of its own.

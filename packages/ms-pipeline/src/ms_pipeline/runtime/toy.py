@@ -3,7 +3,7 @@
 Blocks: a token embedding, then pairs of (self-attention, MLP) residual blocks with pre-norm, then
 a head that returns the mean cross-entropy of next-token style labels. Only ops with CPU kernels
 in MindSpore 2.10 are used (``nn.Embedding``, ``nn.Dense``, ``nn.LayerNorm``, ``ops.softmax``,
-``ops.cross_entropy``; see shared/reference/mindspore_cpu.md section 9). Weights are set from a
+``ops.cross_entropy``; see docs/mindspore-cpu.md §11). Weights are set from a
 numpy generator by parameter name, so every rank and the single-process reference build
 bit-identical models.
 """

@@ -12,7 +12,7 @@ weights for forward/backward), the rollout model and the reference model. Each r
 * sharded master to replicated models: the plan is an all-gather, moving exactly the bytes each
   rank lacks (ms-reshard's lower bound), one parameter at a time -- no rank ever materialises a
   second full copy of the model as the gather-everything approach does (verl #6772's OOM,
-  shared/reference/anchors/rlhf_reshard.md §7).
+  docs/rlhf-reshard-prior-art.md §6).
 """
 
 from __future__ import annotations

@@ -105,14 +105,15 @@ def _pretrain(result: StageResult, work: Path) -> str:
 
 def _probe(result: StageResult, work: Path) -> str:
     n = result.numbers
-    rows = sorted(n.get("rows") or [], key=lambda r: -(r.get("MaxAbsErr") or 0.0))
+    rows = sorted(n.get("rows") or [], key=lambda r: -(r.get("relative") or 0.0))
     return (
-        f"<p>first divergence: <b>{_esc(n.get('first_divergence'))}</b>; max abs error over "
-        f"{_esc(n.get('compared_tensors'))} tensors: <b>{_esc(n.get('max_abs_err'))}</b> "
-        f"({_esc(n.get('worst_item'))}); "
+        f"<p>first divergence: <b>{_esc(n.get('first_divergence'))}</b>; largest error relative to "
+        f"the tensor's scale over {_esc(n.get('compared_tensors'))} tensors: "
+        f"<b>{_esc(n.get('max_relative_err'))}</b> ({_esc(n.get('worst_item'))}), tolerance "
+        f"{_esc(n.get('rtol'))} = {_esc(n.get('rtol_derivation'))}; "
         f"weights after step 1 differ by at most {_esc(n.get('weights_max_abs_diff_after_step_1'))}. "
         f"ms-probe's own report: <code>{_esc(n.get('report'))}</code></p>"
-        "<h3>Largest differences</h3>" + _table(rows, ["item", "key", "result", "MaxAbsErr"], limit=15)
+        "<h3>Largest differences</h3>" + _table(rows, ["item", "key", "relative", "MaxAbsErr", "scale"], limit=15)
     )
 
 

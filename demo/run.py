@@ -49,11 +49,11 @@ def _say(console, text: str) -> None:
         print(f"--- {text}", flush=True)
 
 
-def _stages(quick: bool):
+def _stages(quick: bool, fault: str = ""):
     """(name, needs, function of the work dir) in order; `needs` names the stages whose output it reads."""
     from stages import grpo, pretrain, probe, reshard, serve
 
-    pre = pretrain.PretrainConfig()
+    pre = pretrain.PretrainConfig(fault=fault)
     gr = grpo.GrpoConfig()
     if quick:
         pre = replace(pre, steps=3)
@@ -95,12 +95,34 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="output directory (default: a new temporary one)")
     parser.add_argument("--quick", action="store_true", help="fewer training and GRPO steps (the integration test)")
+    parser.add_argument(
+        "--only", metavar="STAGES", help="comma-separated stages to run (with those they read), e.g. pretrain,probe"
+    )
+    parser.add_argument(
+        "--fault", default="", metavar="BUG",
+        help="inject a bug into the pipelined run to see the probe catch it: perturb-weight or lose-microbatch",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    from stages.pretrain import FAULTS
+
+    if args.fault not in FAULTS:
+        parser.error(f"--fault {args.fault!r}: expected one of {', '.join(f for f in FAULTS if f)}")
+    stages = _stages(args.quick, args.fault)
+    if args.only:
+        wanted = [s.strip() for s in args.only.split(",") if s.strip()]
+        names = [name for name, _, _ in stages]
+        unknown = [w for w in wanted if w not in names]
+        if unknown or not wanted:
+            parser.error(f"--only {args.only!r}: unknown stage {unknown or wanted}; expected some of {names}")
+        needed = set(wanted)
+        for name, needs, _ in reversed(stages):  # the stages a wanted one reads from run too
+            if name in needed:
+                needed.update(needs)
+        stages = [s for s in stages if s[0] in needed]
     work = (args.out or Path(tempfile.mkdtemp(prefix="ms-demo-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
     console = _console()
     start = time.perf_counter()
-    stages = _stages(args.quick)
     results: list[StageResult] = []
     done: dict[str, bool] = {}
     for i, (name, needs, fn) in enumerate(stages, 1):

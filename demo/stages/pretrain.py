@@ -22,6 +22,10 @@ from pathlib import Path
 import numpy as np
 from common import TEXT, ModelSpec, StageResult, batches, setup_mindspore, timed, tokenize
 
+FAULTS = ("", "perturb-weight", "lose-microbatch")
+PERTURBED = "model.layers.2.self_attn.o_proj.weight"
+"""The weight that the "perturb-weight" fault changes (layer 2 sits on rank 1's first stage)."""
+
 
 @dataclass(frozen=True)
 class PretrainConfig:
@@ -49,6 +53,14 @@ class PretrainConfig:
     """Seed of the batch offsets."""
     timeout: float = 900.0
     """Seconds before the ranks are given up."""
+    fault: str = ""
+    """A bug injected into the pipelined run, for the tests of the probe's checks: "" (none),
+    "perturb-weight" (PERTURBED gets noise of 1 % of its scale before step 1) or
+    "lose-microbatch" (every stage drops the weight gradients of microbatch 1 in step 1)."""
+
+    def __post_init__(self):
+        if self.fault not in FAULTS:
+            raise ValueError(f"fault={self.fault!r} is not one of {FAULTS}")
 
     def layer_counts(self) -> list[int]:
         """Decoder layers per stage (the embedding is block 0, the head the last block)."""
@@ -105,6 +117,44 @@ def _build(group, config: PretrainConfig, init_dir: str):
     return runtime, params, applied, plans
 
 
+def _inject(fault: str, runtime, params: dict) -> None:
+    """Put the configured bug into step 1 of this rank's pipelined run (see PretrainConfig.fault);
+    :func:`_heal` takes a lost-microbatch bug out again after that step."""
+    import mindspore as ms
+
+    if fault == "perturb-weight" and PERTURBED in params:
+        p = params[PERTURBED]
+        w = p.asnumpy()
+        noise = np.random.default_rng(0).normal(0.0, 0.01 * float(np.abs(w).max()), w.shape)
+        p.set_data(ms.Tensor((w + noise).astype(w.dtype)))
+    elif fault == "lose-microbatch":
+        for stage in runtime.stages.values():
+            _lose_gradients(stage, microbatch=1)
+
+
+def _lose_gradients(stage, microbatch: int) -> None:
+    """Wrap a Stage's backward passes so that microbatch `microbatch`'s weight gradients are
+    dropped: its accumulators are put back as they were before each of its passes."""
+    for name in ("backward_input", "backward_weight", "backward_full"):
+        original = getattr(stage, name)
+
+        def wrapped(mb, *args, _original=original):
+            before = dict(stage.grads) if mb == microbatch else None
+            out = _original(mb, *args)
+            if before is not None:
+                stage.grads.clear()
+                stage.grads.update(before)
+            return out
+
+        setattr(stage, name, wrapped)  # an instance attribute over the class's method
+
+
+def _heal(runtime) -> None:
+    for stage in runtime.stages.values():
+        for name in ("backward_input", "backward_weight", "backward_full"):
+            stage.__dict__.pop(name, None)
+
+
 def _rank(group, config_data: dict, init_dir: str, monitor_addr: str) -> dict:
     """One pipeline rank (module-level: spawned processes import it)."""
     import mindspore as ms
@@ -115,6 +165,7 @@ def _rank(group, config_data: dict, init_dir: str, monitor_addr: str) -> dict:
     config = _config(config_data)
     setup_mindspore(1)
     runtime, params, applied, plans = _build(group, config, init_dir)
+    _inject(config.fault, runtime, params)
     data = batches(
         tokenize(init_dir, TEXT), config.steps, config.microbatches, config.micro_batch, config.seq, config.data_seed
     )
@@ -123,7 +174,10 @@ def _rank(group, config_data: dict, init_dir: str, monitor_addr: str) -> dict:
         tokens_per_step=config.microbatches * config.micro_batch * config.seq,
     )  # fmt: skip
     bar = tqdm(total=config.steps, desc="  pretrain (ZBV, 2 ranks)", unit="step", disable=group.rank != 0)
-    losses, times, events, first = [], [], [], {}
+    losses, times, events = [], [], []
+    # what the probe stage compares against the single-process reference: the weights step 1
+    # began with, the gradients it accumulated and the weights after it
+    first = {f"began/{name}": p.asnumpy().copy() for name, p in params.items()}
     for step in range(config.steps):
         inputs = [ms.Tensor(x) for x, _ in data[step]]
         labels = [ms.Tensor(y) for _, y in data[step]]
@@ -131,13 +185,16 @@ def _rank(group, config_data: dict, init_dir: str, monitor_addr: str) -> dict:
         with monitor.step():
             with monitor.range("pipeline"):
                 result = runtime.step(inputs, labels)
+            if step == 0:
+                first.update({f"grad/{name}": g.copy() for name, g in runtime.grads().items()})
+                _heal(runtime)
             with monitor.range("optimizer"):
                 runtime.optimizer_step()
         times.append(time.perf_counter() - start)
         losses.append(result.loss)
         events = list(result.events)
-        if step == 0:  # what the probe stage compares against the single-process reference
-            first = {name: p.asnumpy().copy() for name, p in params.items()}
+        if step == 0:
+            first.update({f"after/{name}": p.asnumpy().copy() for name, p in params.items()})
         bar.update(1)
         bar.set_postfix(loss=f"{result.loss:.3f}")
     bar.close()
@@ -152,7 +209,7 @@ def _rank(group, config_data: dict, init_dir: str, monitor_addr: str) -> dict:
         "plans": plans,
         "stages": sorted(runtime.stages),
         "params": {name: p.asnumpy().copy() for name, p in params.items()},
-        "params_after_step_1": first,
+        "step_1": first,
     }
 
 
@@ -213,7 +270,7 @@ def _draw(config: PretrainConfig, ranks: list[dict], work: Path) -> float:
 
 def _save(ranks: list[dict], work: Path) -> dict[str, int]:
     """The trained weights as a sharded checkpoint (one file per rank, a manifest with checksums),
-    and the weights after step 1 for the probe; returns each parameter's rank."""
+    and step 1's weights and gradients for the probe; returns each parameter's rank."""
     from safetensors.numpy import save_file
 
     from ms_reshard import save_checkpoint
@@ -222,7 +279,7 @@ def _save(ranks: list[dict], work: Path) -> dict[str, int]:
     arrays = {name: r["params"][name] for r in ranks for name in r["params"]}
     specs = train_specs(owner, {name: tuple(a.shape) for name, a in arrays.items()})
     save_checkpoint(work / "train_ckpt", specs, {n: {owner[n]: arrays[n]} for n in specs}, overwrite=True)
-    step1 = {name: a for r in ranks for name, a in r["params_after_step_1"].items()}
+    step1 = {name: a for r in ranks for name, a in r["step_1"].items()}
     tmp = work / "pipeline_step1.safetensors.tmp"
     save_file(step1, str(tmp))
     tmp.replace(work / "pipeline_step1.safetensors")

@@ -21,10 +21,13 @@ def test_msrun_job_traced_through_mindspores_hook(tmp_path, monkeypatch):
     log_dir.mkdir()
     shm_before = set(glob.glob("/dev/shm/DynamicProfileShm*"))
     rc = []
+    # the job steps until the test writes `stop` (at most 10000 steps, ~5 min): the trace below must
+    # be taken while it runs, and a fixed number of steps would race the capture (ends too soon on a
+    # quiet box, where the steps are fastest, or where the profiler's analysis is slow)
+    stop = tmp_path / "stop"
+    args = ["10000", str(tmp_path / "dyn"), str(stop)]
     job = threading.Thread(
-        target=lambda: rc.append(
-            run_msrun(SCRIPTS / "msrun_dyno_train.py", ["400", str(tmp_path / "dyn")], 2, log_dir, timeout=400)
-        ),
+        target=lambda: rc.append(run_msrun(SCRIPTS / "msrun_dyno_train.py", args, 2, log_dir, timeout=400)),
         daemon=True,
     )
     job.start()
@@ -37,8 +40,8 @@ def test_msrun_job_traced_through_mindspores_hook(tmp_path, monkeypatch):
         out = tmp_path / "merged.json"
         assert ms_monitor(["trace", "--url", daemon.http_url, "--steps", "3", "--out", str(out), "--json"]) == 0
         assert job.is_alive(), "the job ran on through the capture"
-        job.join(400)
     finally:
+        stop.touch()
         job.join(400)
         daemon.stop()
         for path in set(glob.glob("/dev/shm/DynamicProfileShm*")) - shm_before:

@@ -1,13 +1,15 @@
 """ms-models x ms-pipeline: a tiny DeepSeek-V3 (MLA + DeepSeekMoE) cut into 4 stages runs
 ZeroBubbleV on 2 gloo ranks; the loss and every parameter's gradient equal the single-process
-``value_and_grad`` of the same model on the same microbatches (fp32; tolerance 1e-5 absolute,
-since each stage's ``ms.grad`` groups the same ops differently from one whole-model graph)."""
+``value_and_grad`` of the same model on the same microbatches (fp32; within ``_tiny.RTOL`` of each
+tensor's own scale, since each stage's ``ms.grad`` groups the same ops differently from one
+whole-model graph)."""
 
 from __future__ import annotations
 
 import _tiny
-import numpy as np
 import pytest
+
+from ms_layout.testing import assert_close
 
 pytest.importorskip("mindspore")
 pytest.importorskip("torch")
@@ -23,15 +25,15 @@ def _rank(group, device: str = "CPU"):
     return result.loss, runtime.grads(), sorted(runtime.stages), kinds
 
 
-def _check(results, loss, reference, tol):
+def _check(results, loss, reference, rtol, atol=0.0):
     """Both ranks' losses and every gradient against the reference; each parameter on one rank."""
     assert [r[2] for r in results] == [[0, 3], [1, 2]]  # the V: rank 0 holds the first and last stage
     assert all(r[3] == ["B", "F", "W"] for r in results)  # split backward ran, no fused BW
     seen: dict[str, int] = {}
     for rank, (rank_loss, grads, _, _) in enumerate(results):
-        assert rank_loss == pytest.approx(loss, abs=tol)
+        assert_close(rank_loss, loss, rtol, f"rank {rank} loss", atol)
         for name, g in grads.items():
-            np.testing.assert_allclose(g, reference[name], atol=tol, rtol=0, err_msg=name)
+            assert_close(g, reference[name], rtol, f"rank {rank} grad {name}", atol)
             seen[name] = rank
     assert set(seen) == set(reference)  # every parameter, each on exactly one rank
     assert seen["model.embed_tokens.weight"] == 0 and seen["lm_head.weight"] == 0
@@ -49,13 +51,14 @@ def _reference():
 def test_zero_bubble_v_on_2_ranks_matches_single_process(run_ranks):
     loss, reference = _reference()
     results = run_ranks(_rank, nprocs=2, timeout=500, env={"OMP_NUM_THREADS": "1"})
-    _check(results, loss, reference, _tiny.GRAD_TOL)
+    _check(results, loss, reference, _tiny.RTOL)
 
 
 @pytest.mark.ascend
 def test_zero_bubble_v_on_2_npus_over_hccl_matches_cpu_reference(run_ranks):
     """The same step on 2 Ascend NPUs, activations and gradients moved by MindSpore's HCCL backend of
-    ms_layout.comm. Tolerance 1e-3: the NPU's fp32 matmuls may round through HF32."""
+    ms_layout.comm. Tolerance 1e-3 absolute, as before: the NPU's fp32 matmuls may round through
+    HF32 (not re-derived: no NPU to measure on here)."""
     loss, reference = _reference()
     results = run_ranks(_rank, nprocs=2, backend="mindspore", timeout=500, args=("Ascend",))
-    _check(results, loss, reference, 1e-3)
+    _check(results, loss, reference, 0.0, atol=1e-3)

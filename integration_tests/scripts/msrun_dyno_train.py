@@ -1,7 +1,13 @@
 """An unmodified MindSpore data-parallel script (run by msrun): communication init, a Dense layer
 trained with an all-reduce of its gradients, and MindSpore's DynamicProfilerMonitor stepped each
-iteration. With MSMONITOR_USE_DAEMON=1 MindSpore talks to the ms-monitor daemon through IPCMonitor."""
+iteration. With MSMONITOR_USE_DAEMON=1 MindSpore talks to the ms-monitor daemon through IPCMonitor.
 
+Arguments: the most steps to run, the profiler's output folder, and optionally a stop file: once
+rank 0 sees it, every rank stops after the same step (its flag is all-reduced with the gradients'
+all-reduce op), so a test can keep the job running for as long as it needs instead of racing a
+fixed number of steps."""
+
+import os
 import sys
 import time
 
@@ -12,6 +18,7 @@ from mindspore.communication import get_group_size, get_rank, init
 from mindspore.profiler import DynamicProfilerMonitor
 
 steps, out_dir = int(sys.argv[1]), sys.argv[2]
+stop_file = sys.argv[3] if len(sys.argv) > 3 else None
 ms.set_device("CPU")
 init()
 rank, size = get_rank(), get_group_size()
@@ -37,4 +44,8 @@ for _ in range(steps):
     loss.asnumpy()
     time.sleep(0.03)
     dp.step()
+    if stop_file is not None:
+        stop = ms.Tensor([float(rank == 0 and os.path.exists(stop_file))], ms.float32)
+        if float(allreduce(stop).asnumpy()[0]) > 0:
+            break
 print(f"rank {rank} done", flush=True)

@@ -4,6 +4,9 @@ import numpy as np
 import pytest
 from conftest import ARCHS, hf_model, random_ids, rel_err
 
+from ms_layout.testing import UNIT_ROUNDOFF as U
+from ms_layout.testing import assert_close
+
 pytestmark = [pytest.mark.needs_torch, pytest.mark.needs_mindspore]
 
 
@@ -45,7 +48,11 @@ def test_moe_dispatch_equals_dense(tiny_dirs):
     ids = ms.Tensor(random_ids(2, 16, seed=2))
     dense = model(ids).asnumpy()
     model.set_moe_impl("dispatch")
-    np.testing.assert_allclose(model(ids).asnumpy(), dense, rtol=1e-5, atol=1e-5)
+    # the same experts' math, on gathered tokens (other matmul shapes, so possibly other kernels) and
+    # combined in another order: rounding relative to the logits' scale. In each of the 2 MoE layers
+    # sums over the hidden size (64), an expert's width (32) and the 3 experts combined, then the
+    # head's over 64: n ~ 2 * (64 + 32 + 3) + 64 < 256 (measured here: bit-identical)
+    assert_close(model(ids).asnumpy(), dense, 256 * U, "dispatch vs dense logits")
 
 
 VARIANTS = {

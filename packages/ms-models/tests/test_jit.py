@@ -1,8 +1,10 @@
 """The training step compiles with mindspore.jit and gives PyNative's loss and gradients."""
 
-import numpy as np
 import pytest
 from conftest import random_ids
+
+from ms_layout.testing import UNIT_ROUNDOFF as U
+from ms_layout.testing import assert_close
 
 pytestmark = pytest.mark.needs_mindspore
 
@@ -26,5 +28,8 @@ def test_jit_value_and_grad_equals_pynative(tiny_dirs):
     loss, grads = step(inputs, labels)
     jit_loss, jit_grads = ms.jit(step)(inputs, labels)
     assert float(jit_loss.asnumpy()) == pytest.approx(float(loss.asnumpy()), rel=1e-5)
+    # graph mode fuses and orders the same ops differently: rounding relative to each gradient's scale.
+    # The longest chain behind a gradient: the LM head's sum over the vocabulary (320), one over <= 128
+    # per layer (3) and the batch's 16 tokens: n ~ 320 + 3 * 128 + 16 < 1024 (measured: <= 7.5e-7)
     for param, a, b in zip(params, grads, jit_grads):
-        np.testing.assert_allclose(b.asnumpy(), a.asnumpy(), rtol=1e-4, atol=1e-6, err_msg=param.name)
+        assert_close(b.asnumpy(), a.asnumpy(), 1024 * U, f"jit grad {param.name}")

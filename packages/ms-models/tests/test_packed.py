@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 from conftest import ARCHS, random_ids
 
+from ms_layout.testing import UNIT_ROUNDOFF as U
+from ms_layout.testing import assert_close
 from ms_models import ModelError, packed_positions
 
 LENGTHS = (5, 3, 8)
@@ -31,8 +33,12 @@ def test_packed_logits_equal_per_sample(arch, tiny_models):
     samples = _samples()
     cu = np.concatenate([[0], np.cumsum(LENGTHS)])
     packed = model.forward_packed(np.concatenate(samples), cu).asnumpy()[0]
-    for sample, a, b in zip(samples, cu[:-1], cu[1:]):
-        np.testing.assert_allclose(packed[a:b], model(ms.Tensor(sample[None])).asnumpy()[0], rtol=1e-5, atol=1e-5)
+    # the same math on other matmul shapes (16 packed rows vs one sample's): rounding relative to the
+    # logits' scale; sums over <= 128 (intermediate size) in each of <= 3 layers and the head's over the
+    # hidden size (64): n ~ 3 * 128 + 64 < 512 (measured here: bit-identical)
+    for i, (sample, a, b) in enumerate(zip(samples, cu[:-1], cu[1:])):
+        want = model(ms.Tensor(sample[None])).asnumpy()[0]
+        assert_close(packed[a:b], want, 512 * U, f"sample {i} packed logits")
 
 
 def _loss_fn(model, weights):

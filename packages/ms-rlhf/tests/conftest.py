@@ -21,6 +21,17 @@ def params(model) -> dict[str, np.ndarray]:
     return {n: p.asnumpy().copy() for n, p in model.parameters_and_names()}
 
 
+def first_moments(trainer) -> dict[str, np.ndarray]:
+    """Copies of Adam's first moments by parameter name: after one step, (1 - beta1) times the step's
+    (clipped) gradient."""
+    prefix = "moment1.master."
+    return {
+        n[len(prefix) :]: p.asnumpy().copy()
+        for n, p in trainer.optimizer.parameters_and_names()
+        if n.startswith(prefix)
+    }
+
+
 @pytest.fixture(scope="session")
 def reference_run():
     """A 40-step single-process run with snapshots of the three models after steps 1, 2 and 6."""
@@ -37,6 +48,6 @@ def reference_run():
         trainer.step()
         if step in (1, 2, 6):
             out[step] = {"train": params(trainer.model), "infer": params(trainer.infer_model),
-                         "ref": params(trainer.ref_model)}  # fmt: skip
+                         "ref": params(trainer.ref_model), "moment1": first_moments(trainer)}  # fmt: skip
     out["history"] = trainer.history
     return out

@@ -5,6 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ms_layout.testing import UNIT_ROUNDOFF as U
+from ms_layout.testing import assert_close
+
 pytestmark = pytest.mark.needs_mindspore
 
 
@@ -71,4 +74,8 @@ def test_grouped_experts_equal_ms_models_moe(tiny_dirs):
     ex = moe.experts
     y = grouped_swiglu(routed.expanded_x, routed.expert_tokens, ex.gate_proj, ex.up_proj, ex.down_proj)
     ours = moe_combine(y, routed, weights) + moe.shared_experts(x)
-    assert np.allclose(ours.asnumpy(), moe(x).asnumpy(), atol=1e-5)
+    # the same experts' math on gathered rows (other matmul shapes, so possibly other kernels) and
+    # combined in another order: rounding relative to the output's scale; sums over the hidden size
+    # (64), an expert's width (32) and the 3 experts combined: n ~ 64 + 32 + 3 < 128 (measured here:
+    # bit-identical)
+    assert_close(ours.asnumpy(), moe(x).asnumpy(), 128 * U, "grouped vs dense MoE output")

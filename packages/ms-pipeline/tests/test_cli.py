@@ -76,6 +76,6 @@ def test_run_on_two_local_ranks(capsys):
     pytest.importorskip("mindspore")
     assert main(["run", "--schedule", "zbh1", "--stages", "2", "--microbatches", "2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert report["matches_reference"] is True and report["max_grad_error"] <= 1e-5
+    assert report["matches_reference"] is True and report["max_grad_rel_error"] <= report["rtol"] < 1e-4
     assert report["loss"] == pytest.approx(report["reference_loss"], abs=1e-5)
     assert 0.0 <= report["measured_bubble_rate"] < 1.0

@@ -99,6 +99,20 @@ def run_toy(
     return run_local(toy_rank, schedule.num_ranks, backend="gloo", args=args, timeout=timeout, env=env)
 
 
+# The pipelined step does the reference's float32 arithmetic grouped per stage and microbatch, so
+# each gradient agrees to rounding relative to its own scale: a reordered sum of n terms moves by at
+# most ~n * u (u = 2^-24); the toy's longest chain (vocabulary, a few blocks of width <= 4d, the
+# step's tokens) stays under n = 1024.
+RTOL = 1024 * 2.0**-24
+
+
+def _relative(a: np.ndarray, b: np.ndarray) -> float:
+    """max|a - b| / max(max|a|, max|b|) (0 when both are zero)."""
+    scale = float(max(np.abs(a).max(), np.abs(b).max()))
+    err = float(np.abs(a - b).max())
+    return err / scale if scale > 0 else (0.0 if err == 0 else float("inf"))
+
+
 def run_demo(schedule: Schedule, *, seed: int = 0, timeout: float = 600.0) -> dict:
     """One pipelined step against the single-process reference; a small report."""
     from .toy import reference_step
@@ -111,6 +125,8 @@ def run_demo(schedule: Schedule, *, seed: int = 0, timeout: float = 600.0) -> di
     model, _, inputs, labels = toy_setup(config, schedule.num_stages, schedule.num_microbatches)
     ref_loss, ref_grads = reference_step(model, inputs, labels)
     err = max(float(np.abs(g - ref_grads[k]).max()) for r in results for k, g in r["grads"].items())
+    rel = max(_relative(g, ref_grads[k]) for r in results for k, g in r["grads"].items())
+    loss_rel = _relative(np.float64(results[0]["loss"]), np.float64(ref_loss))
     covered = {k for r in results for k in r["grads"]} == set(ref_grads)
     events = [e for r in results for e in r["events"] if e.action.is_compute]
     bubbles = Bubbles.of(events, schedule.num_ranks)
@@ -122,7 +138,9 @@ def run_demo(schedule: Schedule, *, seed: int = 0, timeout: float = 600.0) -> di
         "loss": results[0]["loss"],
         "reference_loss": ref_loss,
         "max_grad_error": err,
-        "matches_reference": bool(covered and err <= 1e-5 and abs(results[0]["loss"] - ref_loss) <= 1e-5),
+        "max_grad_rel_error": rel,
+        "rtol": RTOL,
+        "matches_reference": bool(covered and rel <= RTOL and loss_rel <= RTOL),
         "step_seconds": max(r["times"][-1] for r in results),
         "measured_bubble_rate": bubbles.bubble_rate,
         "wall_seconds": wall,

@@ -43,6 +43,7 @@ from .io import (
     read_safetensors,
     save_safetensors,
 )
+from .layers import linear
 from .layouts import model_layouts, param_shapes
 from .paged_cache import PagedMetadata, allocate_kv_caches
 from .tiny import TINY_CONFIGS, make_tiny, tiny_config
@@ -69,6 +70,7 @@ __all__ = [
     "generate_greedy",
     "generate_greedy_recompute",
     "hf_state_dict",
+    "linear",
     "load_config",
     "load_safetensors",
     "load_state_dict",

@@ -16,7 +16,7 @@ from mindspore import Tensor, nn, ops
 from mindspore import dtype as mstype
 
 from .errors import ModelError
-from .layers import Linear, causal_mask
+from .layers import Linear, causal_mask, linear
 from .paged_cache import PagedMetadata, allocate_kv_caches
 
 
@@ -67,7 +67,7 @@ class CausalLM(nn.Cell):
     def compute_logits(self, hidden):
         """hidden [..., hidden_size] -> logits [..., vocab_size]."""
         if self.tied:
-            return ops.matmul(hidden, self.model.embed_tokens.weight.T)
+            return linear(hidden, self.model.embed_tokens.weight)
         return self.lm_head(hidden)
 
     def hidden_states(self, input_ids, positions=None, segment_ids=None):

@@ -18,7 +18,7 @@ from __future__ import annotations
 from mindspore import nn, ops
 
 from .attention import attend
-from .layers import Linear, RMSNorm, apply_rope
+from .layers import Linear, RMSNorm, apply_rope, stacked_linear
 from .paged_cache import PagedMetadata, from_padded, gather_context, to_padded, write_cache
 
 
@@ -91,5 +91,5 @@ class MLAttention(nn.Cell):
         out = attend(q, ctx, ctx[..., : self.rank], meta.allowed, self.scale)  # [N, Q, H * rank]
         out = from_padded(out, meta).reshape(-1, self.num_heads, self.rank)
         # sum_j p_j (W_UV c_j) = W_UV (sum_j p_j c_j): expand the attended latent to values.
-        out = ops.matmul(out.transpose(1, 0, 2), w_uv.transpose(0, 2, 1)).transpose(1, 0, 2)  # [T, H, v]
+        out = stacked_linear(out.transpose(1, 0, 2), w_uv).transpose(1, 0, 2)  # [T, H, v]
         return self.o_proj(out.reshape(-1, self.num_heads * self.v_dim))

@@ -21,7 +21,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore import dtype as mstype
 
 from .errors import ModelError
-from .layers import MLP, NEG_INF, init_normal
+from .layers import MLP, NEG_INF, init_normal, linear
 
 
 class TopkRouter(nn.Cell):
@@ -42,7 +42,7 @@ class TopkRouter(nn.Cell):
     def construct(self, x):
         """x [M, H] -> (weights [M, k], expert indices [M, k])."""
         m = x.shape[0]
-        scores = ops.sigmoid(ops.matmul(x.astype(mstype.float32), self.weight.astype(mstype.float32).T))
+        scores = ops.sigmoid(linear(x.astype(mstype.float32), self.weight.astype(mstype.float32)))
         choice = scores + self.e_score_correction_bias
         per_group = self.num_experts // self.n_group
         grouped = choice.reshape(m, self.n_group, per_group)
@@ -77,6 +77,8 @@ class Experts(nn.Cell):
             ops.one_hot(indices, self.num_experts, Tensor(1.0, mstype.float32), Tensor(0.0, mstype.float32))
             * weights.expand_dims(-1)
         ).sum(1)  # [M, E]
+        # (the stacks are still transposed per call: a [1, M, H] input does not broadcast over
+        # CPU's BatchMatMul(transpose_b=True), and broadcasting it by hand would keep E copies)
         xe = x.expand_dims(0)  # [1, M, H]
         gate = ops.matmul(xe, self.gate_proj.transpose(0, 2, 1))
         h = ops.silu(gate) * ops.matmul(xe, self.up_proj.transpose(0, 2, 1))
@@ -91,8 +93,8 @@ class Experts(nn.Cell):
             rows, slot = np.nonzero(chosen == e)
             rows_t = Tensor(rows.astype(np.int32))
             xe = x[rows_t]
-            h = ops.silu(ops.matmul(xe, self.gate_proj[int(e)].T)) * ops.matmul(xe, self.up_proj[int(e)].T)
-            y = ops.matmul(h, self.down_proj[int(e)].T) * weights[rows_t, Tensor(slot.astype(np.int32))].expand_dims(-1)
+            h = ops.silu(linear(xe, self.gate_proj[int(e)])) * linear(xe, self.up_proj[int(e)])
+            y = linear(h, self.down_proj[int(e)]) * weights[rows_t, Tensor(slot.astype(np.int32))].expand_dims(-1)
             out = ops.tensor_scatter_add(out, rows_t.expand_dims(-1), y.astype(out.dtype))
         return out
 

@@ -18,9 +18,10 @@ width, all float32 unless noted (x4 bytes), one Llama/Qwen2 layer keeps
     mlp (SwiGLU)              its input [T, h]; gate, silu(gate), up, silu·up  [T, I] each
 
 (Megatron's 34 = 2 bytes x 17 tensor-widths: it keeps fp16, a dropout mask per dropout, and no RoPE
-copies; the structure is the same.) Batch-independent extras are reported apart: on CPU
-``ops.matmul(x, w.T)`` keeps a transposed copy of every weight, and each attention a bool copy of the
-mask [s, s] (``ModuleMemory.constant_bytes``, freed by recomputing the module); the mask and RoPE's
+copies; the structure is the same.) Batch-independent extras are reported apart: the dense MoE
+path keeps a transposed copy of each routed-expert stack, and each attention a bool copy of the
+mask [s, s] (``ModuleMemory.constant_bytes``, freed by recomputing the module); ms-models' linear
+layers keep no weight copy (``ops.dense``, ``MatMul(transpose_b=True)``); the mask and RoPE's
 cos/sin themselves are inputs of every layer, held once for the model by recompute checkpoints
 (``shared_bytes``).
 
@@ -68,8 +69,8 @@ class ModuleMemory:
     flops: float
     """Forward FLOPs: what recomputing it costs."""
     constant_bytes: int = 0
-    """Batch-independent bytes its ops keep: on CPU, ``ops.matmul(x, w.T)`` keeps a copy of ``w.T``;
-    the attention's ``where`` keeps its own bool copy of the causal mask [s, s]."""
+    """Batch-independent bytes its ops keep: the dense MoE path a transposed copy of each expert
+    stack; the attention's ``where`` its own bool copy of the causal mask [s, s]."""
 
     @property
     def activation_bytes(self) -> int:
@@ -102,7 +103,7 @@ class LayerMemory:
 
     @property
     def constant_bytes(self) -> int:
-        """Batch-independent bytes kept for backward (the transposed weight copies)."""
+        """Batch-independent bytes kept for backward (mask and expert-stack copies)."""
         return sum(m.constant_bytes for m in self.modules)
 
     @property
@@ -209,7 +210,7 @@ def _swiglu(name: str, h: int, width: int, sh: Shape, rows: int | None = None) -
     e, t = sh.elem, sh.tokens
     n = t if rows is None else rows
     terms = (Term(f"gate, silu, up, silu*up 4x[T, {width}]", 4 * n * width * e),)
-    return ModuleMemory(name, t * h * e, terms, 6.0 * n * h * width, 3 * h * width * e)
+    return ModuleMemory(name, t * h * e, terms, 6.0 * n * h * width)
 
 
 def _dense_attention(config: Any, sh: Shape) -> ModuleMemory:
@@ -221,8 +222,7 @@ def _dense_attention(config: Any, sh: Shape) -> ModuleMemory:
     t, b, s = sh.tokens, sh.batch, sh.seq
     terms = (_rope(sh, d), *_attention_core(sh, heads, d, d, kv))
     flops = 2.0 * t * h * (heads + 2 * kv) * d + 2.0 * t * heads * d * h + 4.0 * b * heads * s * s * d
-    weights = h * (heads + 2 * kv) * d + heads * d * h
-    return ModuleMemory("self_attn", t * h * sh.elem, terms, flops, weights * sh.elem + s * s)
+    return ModuleMemory("self_attn", t * h * sh.elem, terms, flops, s * s)
 
 
 def _mla(config: Any, sh: Shape) -> ModuleMemory:
@@ -249,9 +249,7 @@ def _mla(config: Any, sh: Shape) -> ModuleMemory:
     ]
     flops += 2.0 * t * h * (kv_rank + rope) + 2.0 * t * kv_rank * heads * (nope + dv)
     flops += 2.0 * t * heads * dv * h + 2.0 * b * heads * s * s * (dqk + dv)
-    weights = h * (kv_rank + rope) + kv_rank * heads * (nope + dv) + heads * dv * h
-    weights += (h * q_rank + q_rank * heads * dqk) if q_rank else h * heads * dqk
-    return ModuleMemory("self_attn", t * h * e, tuple(terms), flops, weights * e + s * s)
+    return ModuleMemory("self_attn", t * h * e, tuple(terms), flops, s * s)
 
 
 def _moe(config: Any, sh: Shape, impl: str) -> ModuleMemory:
@@ -277,11 +275,10 @@ def _moe(config: Any, sh: Shape, impl: str) -> ModuleMemory:
         Term(f"experts: outputs [rows, {h}] and combine weights [rows]", rows * (h + 1) * e),
     ]
     flops = 6.0 * rows * h * width + 2.0 * t * h * experts
-    weights = 3 * experts * width * h + experts * h  # stacked experts and the router, each copied by .T
+    weights = 3 * experts * width * h  # the stacked experts, each copied by .transpose per call
     if shared:
         terms.append(Term(f"shared experts: gate, silu, up, silu*up 4x[T, {shared}]", 4 * t * shared * e))
         flops += 6.0 * t * h * shared
-        weights += 3 * shared * h
     return ModuleMemory("mlp", t * h * e, tuple(terms), flops, weights * e)
 
 

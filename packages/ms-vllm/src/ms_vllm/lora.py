@@ -23,8 +23,10 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
-from mindspore import Tensor, nn, ops
+from mindspore import Tensor, nn
 from safetensors.numpy import load_file
+
+from ms_models import linear
 
 _PREFIX = "base_model.model."
 
@@ -59,7 +61,7 @@ class LoRALinear(nn.Cell):
     def construct(self, x):
         y = self.base(x)
         for mask, a, b, scale in self.active:
-            y = y + ops.matmul(ops.matmul(x * mask, a.T), b.T) * scale
+            y = y + linear(linear(x * mask, a), b) * scale
         return y
 
 

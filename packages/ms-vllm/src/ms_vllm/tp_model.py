@@ -26,6 +26,8 @@ import re
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
+from ms_models import linear
+
 from .parallel import ParallelError, ShardPlan
 
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
@@ -53,7 +55,7 @@ class RowParallelLinear(nn.Cell):
         return cls(linear.in_features, linear.out_features, linear.bias is not None, group)
 
     def construct(self, x):
-        y = all_reduce(ops.matmul(x, self.weight.T), self.group)
+        y = all_reduce(linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
 

@@ -40,7 +40,13 @@ class MindSporeWorker(WorkerBase):
         from .ops import ascend_available
 
         self.device = torch.device("cpu")
-        ms.set_device("Ascend" if ascend_available() else "CPU")
+        ascend = ascend_available()
+        ms.set_device("Ascend" if ascend else "CPU")
+        if not ascend:
+            # What stays eager runs op by op: on CPU, MindSpore's asynchronous op queue only makes
+            # Python wait on each .shape / .dtype (docs/mindspore-cpu.md §14); on Ascend the
+            # queue is what keeps the device busy, so it stays on there.
+            ms.set_context(pynative_synchronize=True)
         threads = os.environ.get("MS_VLLM_THREADS")
         if threads:
             ms.set_context(runtime_num_threads=int(threads))

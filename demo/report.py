@@ -107,13 +107,17 @@ def _probe(result: StageResult, work: Path) -> str:
     n = result.numbers
     rows = sorted(n.get("rows") or [], key=lambda r: -(r.get("relative") or 0.0))
     return (
-        f"<p>first divergence: <b>{_esc(n.get('first_divergence'))}</b>; largest error relative to "
-        f"the tensor's scale over {_esc(n.get('compared_tensors'))} tensors: "
-        f"<b>{_esc(n.get('max_relative_err'))}</b> ({_esc(n.get('worst_item'))}), tolerance "
-        f"{_esc(n.get('rtol'))} = {_esc(n.get('rtol_derivation'))}; "
-        f"weights after step 1 differ by at most {_esc(n.get('weights_max_abs_diff_after_step_1'))}. "
-        f"ms-probe's own report: <code>{_esc(n.get('report'))}</code></p>"
-        "<h3>Largest differences</h3>" + _table(rows, ["item", "key", "relative", "MaxAbsErr", "scale"], limit=15)
+        f"<p>first divergence: step 1 <b>{_esc(n.get('first_divergence_step1'))}</b>, step 2 "
+        f"<b>{_esc(n.get('first_divergence'))}</b>. Step 1's gradients: largest error relative to the "
+        f"tensor's scale <b>{_esc(n.get('max_relative_grad_err'))}</b>, tolerance {_esc(n.get('rtol'))} = "
+        f"{_esc(n.get('rtol_derivation'))}; its optimizer update against Adam on those gradients: "
+        f"{_esc(n.get('max_relative_update_err'))} (tolerance {_esc(n.get('update_rtol'))}). Step 2 over "
+        f"{_esc(n.get('compared_tensors'))} tensors: largest relative error {_esc(n.get('max_relative_err'))} "
+        f"({_esc(n.get('worst_item'))}); weights after step 1 differ by at most "
+        f"{_esc(n.get('weights_max_abs_diff_after_step_1'))}. ms-probe's own report: "
+        f"<code>{_esc(n.get('report'))}</code></p>"
+        "<h3>Largest differences (step 2)</h3>"
+        + _table(rows, ["item", "key", "relative", "MaxAbsErr", "scale"], limit=15)
     )
 
 

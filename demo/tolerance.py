@@ -47,8 +47,9 @@ def float32_rtol(*, layers: int, widest: int, tokens: int = 0, passes: int = 2, 
     `directions` sweeps (forward and backward) through `layers` blocks whose reductions are at
     most `widest` long (hidden, intermediate, vocabulary or sequence size); a weight-gradient
     element also sums `tokens` products, one per token of the step. So
-    n = tokens + passes * directions * layers * widest. Adam's update lr * g / (|g| + eps) does
-    not amplify a relative error of g (its derivative is at most 1 / (|g| + eps) times lr)."""
+    n = tokens + passes * directions * layers * widest. (Through an optimizer step the bound does
+    not carry over: Adam's first update lr * g / (|g| + eps) moves by up to ~lr / 4 when a
+    gradient element within ~eps of zero changes by a rounding; compare the update separately.)"""
     for name, v in (("layers", layers), ("widest", widest), ("passes", passes), ("directions", directions)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -121,6 +122,9 @@ def judge(values: list[Closeness], rtol: Rtol) -> tuple[bool, str, Closeness | N
         return False, "no tensor was compared", None
     worst = max(values, key=lambda c: c.relative)
     bad = [c for c in values if not c.relative <= rtol.value]
+    if worst.relative == 0:
+        text = f"{len(values)} tensors compared, all identical; tolerance {rtol.value:.2e} = {rtol.derivation}"
+        return True, text, worst
     text = (
         f"{len(values)} tensors compared; worst max|diff| / max|value| = {worst.relative:.2e} "
         f"({worst.max_abs_err:.2e} of {worst.scale:.3g}) in module {worst.module() or worst.item} "

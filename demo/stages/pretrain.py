@@ -233,6 +233,22 @@ def train_specs(owner: dict[str, int], shapes: dict[str, tuple]):
     }
 
 
+def _steps_seen(series: dict) -> dict[int, int]:
+    return {r: sum(v is not None for v in row) for r, row in zip(series["ranks"], series["step_time"])}
+
+
+def _series_when_complete(url: str, ranks: int, steps: int, deadline_s: float = 30.0) -> dict:
+    """The daemon's per-rank series once every rank's last step has arrived (the agents send
+    asynchronously, later on a loaded box), or as it is at the deadline."""
+    end = time.monotonic() + deadline_s
+    while True:
+        series = json.load(urllib.request.urlopen(url + "/api/series?last=1000", timeout=10))
+        seen = _steps_seen(series)
+        if all(seen.get(r, 0) >= steps for r in range(ranks)) or time.monotonic() > end:
+            return series
+        time.sleep(0.2)
+
+
 def _train_monitored(config: PretrainConfig, init_dir: str, work: Path) -> tuple[list[dict], dict, dict]:
     """Run the ranks with an ms-monitor daemon in this process; (rank results, the daemon's
     per-rank step series, its status)."""
@@ -245,8 +261,7 @@ def _train_monitored(config: PretrainConfig, init_dir: str, work: Path) -> tuple
             _rank, config.ranks, backend="gloo", args=(asdict(config), init_dir, daemon.agent_addrs[0]),
             timeout=config.timeout, env={"OMP_NUM_THREADS": "1"},
         )  # fmt: skip
-        time.sleep(0.5)  # the agents' last samples are on their way
-        series = json.load(urllib.request.urlopen(daemon.http_url + "/api/series?last=1000", timeout=10))
+        series = _series_when_complete(daemon.http_url, config.ranks, config.steps)
         status = json.load(urllib.request.urlopen(daemon.http_url + "/api/status", timeout=10))
     finally:
         daemon.stop()
@@ -310,7 +325,7 @@ def run(config: PretrainConfig, work: Path) -> StageResult:
             "loss falls", np.isfinite(losses).all() and losses[-1] < 0.9 * losses[0],
             f"{losses[0]:.3f} -> {losses[-1]:.3f}",
         )  # fmt: skip
-        seen = {r: sum(v is not None for v in row) for r, row in zip(series["ranks"], series["step_time"])}
+        seen = _steps_seen(series)
         result.check(
             "monitor daemon received every step of every rank",
             all(seen.get(r, 0) >= config.steps for r in range(config.ranks)),

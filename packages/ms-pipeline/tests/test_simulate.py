@@ -140,10 +140,15 @@ def test_cost_model_checks_and_parsing():
         CostModel(f=(1, 2)).split(2)
 
 
-def test_per_stage_costs_slowest_stage_dominates():
+@pytest.mark.parametrize("m", [4, 8, 16])
+def test_per_stage_costs_slowest_stage_dominates(m):
+    """1F1B on 4 stages, stage 2 twice as slow (f 2, fused b+w 4; the others 1 and 2). Stage 2
+    waits 2 for the first forward (stages 0, 1), runs F0 and F1, then waits 1: its BW0 needs
+    stage 3's F0 + BW0 (3 units from t = 4, so t = 7, its F1 ended at 6); then it is never idle
+    (6 per microbatch); after its last BW stages 1 and 0 run theirs (2 + 2)."""
     uneven = CostModel(f=(1, 1, 2, 1), b=(1, 1, 2, 1), w=(1, 1, 2, 1))
-    result = mp.simulate(mp.one_f_one_b(4, 16), uneven)
-    assert result.makespan >= 16 * 6  # the slow stage runs 16 x (2+2+2)
+    result = mp.simulate(mp.one_f_one_b(4, m), uneven)
+    assert result.makespan == 2 + 1 + 6 * m + 4
 
 
 @pytest.mark.parametrize("p", [2, 4, 8])

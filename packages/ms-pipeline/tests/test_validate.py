@@ -43,10 +43,20 @@ def test_zbv_places_chunks_in_a_v():
     assert Action(2, Kind.SEND_F, 0) in lowered.actions[2] and Action(3, Kind.RECV_F, 0) in lowered.actions[3]
 
 
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (2, 8), (3, 6), (3, 8), (4, 8), (4, 12)])
+def test_zbv_overlap_pairs_every_steady_forward(p, m):
+    """Rank r runs 2m forwards: 3p - r - 1 in the warm-up (PyTorch's ZBV counts), the last one
+    alone; every other one is paired with a backward of the other chunk: 2m - 3p + r pairs."""
+    s = mp.zero_bubble_v(p, m, overlap=True)
+    for r in range(p):
+        pairs = [a for a in s.actions[r] if a.kind is Kind.OVERLAP_F_B]
+        assert len(pairs) == 2 * m - 3 * p + r, (r, mp.format_actions(s.actions[r]))
+
+
 def test_zbv_overlap_pairs_the_steady_phase():
     s = mp.zero_bubble_v(4, 12, overlap=True)
     pairs = [a for a in s.actions[0] if a.kind is Kind.OVERLAP_F_B]
-    assert len(pairs) > 4
+    assert len(pairs) == 12
     assert all(a.parts[0].kind is Kind.F and a.parts[1].kind is Kind.B for a in pairs)
     assert all(a.parts[0].stage != a.parts[1].stage for a in pairs)  # F of one chunk with B of the other
     plain = mp.zero_bubble_v(4, 12)

@@ -117,7 +117,7 @@ def _print(r: dict[str, Any]) -> None:
     print(f"{r['arch']}: {r['layers']} layers, batch {s['batch']} x seq {s['seq']}, {s['dtype']}, tp {s['tp']}")
     for kind, m in r["per_layer"].items():
         print(
-            f"  one {kind} layer keeps {_gib(m['total_bytes'])} (+{_gib(m['constant_bytes'])} weight copies);"
+            f"  one {kind} layer keeps {_gib(m['total_bytes'])} (+{_gib(m['constant_bytes'])} mask/expert copies);"
             f" Megatron's fp16 formula says {_gib(m['megatron_formula_bytes'])}"
         )
         for name, x in m["modules"].items():

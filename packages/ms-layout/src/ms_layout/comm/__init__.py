@@ -22,6 +22,7 @@ gloo's rendezvous store then listens on ``MS_SCHED_HOST:MS_SCHED_PORT+1``.
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import sys
 
@@ -110,11 +111,34 @@ def _start(backend: str, env: RankEnv, timeout: float) -> ProcessGroup:
         from ms_layout.comm.gloo import init_gloo
 
         _WORLD = init_gloo(env.rank, env.world_size, env.master_addr, env.master_port, timeout)
+        _destroy_at_exit()
     else:
         from ms_layout.comm.mindspore_backend import init_mindspore
 
         _WORLD = init_mindspore(env, timeout)
     return _WORLD
+
+
+_AT_EXIT = []
+
+
+def _destroy_at_exit() -> None:
+    """Tear a gloo world down when the interpreter exits, if the program did not: a process that
+    exits with torch.distributed's gloo threads still alive can die in C++ (std::terminate,
+    "terminate called without an active exception", exit -6), seen under msrun after every
+    rank had written its results."""
+    if _AT_EXIT:
+        return
+
+    def tear_down() -> None:
+        if _WORLD is not None and _WORLD.backend == "gloo":
+            try:
+                destroy()
+            except Exception:  # exiting anyway; a peer may be gone
+                pass
+
+    atexit.register(tear_down)
+    _AT_EXIT.append(tear_down)
 
 
 def init(backend: str = "auto", *, timeout: float = 300.0) -> ProcessGroup:

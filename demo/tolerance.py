@@ -1,7 +1,7 @@
 """How close two float32 runs of the same training step must be: a bound from float32 rounding.
 
-The probe stage compares the step after the pipelined one with the step after a single-process
-reference. The two did the same arithmetic in another order: the pipeline sums each weight
+The probe stage compares the pipelined step with a single-process reference of it. The two did
+the same arithmetic in another order: the pipeline sums each weight
 gradient per microbatch and then over microbatches, the reference over the whole batch at once;
 the kernels may split their reductions differently on another CPU or thread count. Such
 reordering changes a float32 result by at most about n * u relative to the magnitudes summed,

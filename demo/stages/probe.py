@@ -1,7 +1,7 @@
 """Stage 2: probe one step of the pipelined run against the single-process reference (ms-probe).
 
 The reference trains the unsplit model in one process for one step on the same first batch
-(the mean of the microbatches' losses, one ``nn.Adam`` step). Three comparisons follow, each
+(the mean of the microbatches' losses, one ``nn.Adam`` step). Four comparisons follow, each
 naming where a difference starts:
 
 1. step 1 as it began: ms-probe dumps one training step (the forward and backward of every
@@ -17,10 +17,10 @@ naming where a difference starts:
 4. step 2: the same dump of the models holding the weights after step 1 (the pipeline's and the
    reference's), on the second batch, judged by ms-probe's rules.
 
-Two checks judge the compare: ms-probe's own rules (cosine, error ratios, per-module checkers)
-and a bound from float32 rounding, relative to each tensor's scale (demo/tolerance.py): the two
-runs did the same arithmetic in another order, so no tensor may differ by more than n * u of its
-magnitude. An absolute tolerance would not hold across CPUs and thread counts.
+Comparisons 1 and 2 are judged twice: by ms-probe's own rules (cosine, error ratios, per-module
+checkers) and by a bound from float32 rounding, relative to each tensor's scale
+(demo/tolerance.py): the two runs did the same arithmetic in another order, so no tensor may
+differ by more than n * u of its magnitude. An absolute tolerance would not hold across CPUs and thread counts.
 
 Why not dump inside the pipelined step itself: ms-pipeline's B and W passes re-run each stage's
 forward (and recompute re-runs layers once more), so its modules are called 3-5 times per
@@ -102,6 +102,13 @@ def _compare(target, golden, ids, labels, path: Path, rtol: Rtol) -> tuple:
     return (run.summary(), *judge(values, rtol), values)
 
 
+def _param_closeness(name: str, what: str, a: np.ndarray, b: np.ndarray) -> Closeness:
+    """One parameter's arrays compared: item = its module path, key = its own name and `what`."""
+    module, leaf = name.rsplit(".", 1)
+    scale = max(float(np.abs(a).max()), float(np.abs(b).max()))
+    return Closeness(module, f"{leaf} {what}", float(np.abs(a - b).max()), scale)
+
+
 def _divergence(summary: dict) -> str:
     return f"first divergence: {summary['first_divergence']} {summary['first_divergence_reason']}".strip()
 
@@ -149,31 +156,20 @@ def run(config: ProbeConfig, pretrain: PretrainConfig, work: Path) -> StageResul
 
         # 2. the gradients the pipelined step accumulated, parameter by parameter (model order)
         grad_values = [
-            Closeness(
-                p.name.rsplit(".", 1)[0], p.name.rsplit(".", 1)[-1] + " gradient",
-                float(np.abs(pipe_grads[p.name] - g.asnumpy()).max()),
-                max(float(np.abs(pipe_grads[p.name]).max()), float(np.abs(g.asnumpy()).max())),
-            )
-            for p, g in zip(params, grads)
-        ]  # fmt: skip
+            _param_closeness(p.name, "gradient", pipe_grads[p.name], g.asnumpy()) for p, g in zip(params, grads)
+        ]
         close_g, text_g, _ = judge(grad_values, rtol)
         result.check("step 1: every gradient within float32 rounding of its scale", close_g, text_g)
 
         # 3. step 1's optimizer update: Adam on the pipeline's own gradients, from the weights it
         # began with, must give the weights it ended with (the same arithmetic on the same inputs)
-        replay = _load(init_dir, began)
-        replay_params = replay.trainable_params()
+        replay_params = began_model.trainable_params()  # its dump is done: it can take the update
         ms.nn.Adam(replay_params, learning_rate=pretrain.lr)(
             tuple(ms.Tensor(pipe_grads[p.name]) for p in replay_params)
         )
         update_values = [
-            Closeness(
-                p.name.rsplit(".", 1)[0], p.name.rsplit(".", 1)[-1] + " after the update",
-                float(np.abs(p.asnumpy() - after[p.name]).max()),
-                max(float(np.abs(p.asnumpy()).max()), float(np.abs(after[p.name]).max())),
-            )
-            for p in replay_params
-        ]  # fmt: skip
+            _param_closeness(p.name, "after the update", p.asnumpy(), after[p.name]) for p in replay_params
+        ]
         close_u, text_u, _ = judge(update_values, _ADAM_RTOL)
         result.check("step 1: the pipeline's optimizer update equals Adam on its gradients", close_u, text_u)
 

@@ -4,7 +4,9 @@ A pipeline runtime (ms-pipeline's) passes one tensor between blocks, so each lay
 its RoPE angles and causal mask from the hidden state's shape, and the head block maps (hidden,
 labels) to the microbatch's mean cross-entropy. The blocks hold the model's own Cells (weights are
 shared, not copied); wrapping a Cell renames its parameters, so their HF names are put back, which
-is what checkpoints, reshard plans and probe dumps speak.
+is what checkpoints, reshard plans and probe dumps speak. Each block also gives its explicit
+passes (``explicit_passes()``: a forward that keeps what the backward needs, an input backward that
+never re-runs it, a weight backward from the kept pairs), which ms-pipeline's Stage runs.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ class EmbedBlock(nn.Cell):
     def construct(self, ids):
         return self.embed(ids)
 
+    def explicit_passes(self) -> nn.Cell:
+        """Forward, input backward and weight backward by hand (ms_models.passes)."""
+        from .passes import EmbedBlockPasses
+
+        return EmbedBlockPasses(self)
+
 
 class LayerBlock(nn.Cell):
     """hidden -> hidden through one decoder layer, causal over the whole sequence"""
@@ -40,6 +48,12 @@ class LayerBlock(nn.Cell):
         allowed = (ops.tril(ops.ones((s, s), ms.float32)) > 0.5).expand_dims(0).expand_dims(1)
         return self.layer(x, cos, sin, allowed)
 
+    def explicit_passes(self) -> nn.Cell:
+        """Forward, input backward and weight backward by hand (ms_models.passes)."""
+        from .passes import LayerBlockPasses
+
+        return LayerBlockPasses(self)
+
 
 class HeadBlock(nn.Cell):
     """(hidden, labels [B, S]) -> the mean next-token cross-entropy"""
@@ -51,6 +65,12 @@ class HeadBlock(nn.Cell):
     def construct(self, x, labels):
         logits = self.lm_head(self.norm(x))
         return ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+    def explicit_passes(self) -> nn.Cell:
+        """Forward, input backward and weight backward by hand (ms_models.passes)."""
+        from .passes import HeadBlockPasses
+
+        return HeadBlockPasses(self)
 
 
 def pipeline_blocks(model) -> list[nn.Cell]:

@@ -1,0 +1,337 @@
+"""How a Stage gets its gradients: three small strategies behind one interface.
+
+* :class:`ExplicitPasses` (the default when every block has ``explicit_passes()``, as
+  ``ms_models.pipeline_blocks`` do): F keeps what each block's backward needs, B computes the
+  input gradient and each weight's output gradient from it without re-running the forward, W is
+  the kept pairs' GEMMs (``dW = g^T x``), accumulated inside the compiled function; BW is B and W
+  in one call. Under ``jit`` each of F, B, W and BW is one compiled graph per stage. With
+  ``recompute`` F keeps only the stage's input, and the values are made again right before B.
+* :class:`StoredLinearGrads` (PyNative, blocks without explicit passes): B is one ``ms.grad``
+  for the input gradient and the weights that are not plain linear layers, while hooks queue each
+  linear layer's input and output gradient (:mod:`.deferred_dw`); W multiplies the queued pairs.
+  The first W is checked once against a full ``ms.grad``.
+* :class:`RecomputeGrads` (any block, the only way under ``jit`` without explicit passes): B is
+  ``ms.grad`` for the input, W ``ms.grad`` for the weights, each re-running the stage's forward.
+
+A strategy computes; the :class:`~ms_pipeline.runtime.Stage` keeps the per-microbatch values (FIFO
+by microbatch, as any schedule needs) and checks the order of the passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mindspore as ms
+import numpy as np
+
+from ..errors import ScheduleError
+from .deferred_dw import DeferredLinearGrads
+
+
+def _call(obj: Any, method: str | None = None) -> Any:
+    """A plain function calling ``obj`` or ``obj.method`` (``ms.jit`` takes functions, not lambdas)."""
+    if method is None:
+
+        def call(*args):
+            return obj(*args)
+
+        return call
+    bound = getattr(obj, method)
+
+    def run(*args):
+        return bound(*args)
+
+    return run
+
+
+def _first(grad: Any) -> Any:
+    """ms.grad returns a bare tensor for one input, a tuple for several."""
+    return grad[0] if isinstance(grad, tuple) else grad
+
+
+class _StageCell(ms.nn.Cell):
+    """The blocks of a stage as one Cell (what ms.grad and ms.jit differentiate and compile)."""
+
+    def __init__(self, blocks: Sequence[ms.nn.Cell], last: bool):
+        super().__init__()
+        names = {id(p): p.name for b in blocks for p in b.get_parameters()}
+        self.blocks = ms.nn.CellList(list(blocks))
+        self.n = len(blocks)
+        self.last = last
+        for p in self.get_parameters():  # a CellList renames what it holds: keep the model's names
+            p.name = names[id(p)]
+
+    def construct(self, x, labels=None):
+        for i in range(self.n - 1):
+            x = self.blocks[i](x)
+        if self.last:
+            return self.blocks[self.n - 1](x, labels)
+        return self.blocks[self.n - 1](x)
+
+
+class _PassesCell(ms.nn.Cell):
+    """The explicit passes of a stage's blocks chained: forward, backward_input, backward_weight."""
+
+    def __init__(self, passes: Sequence[ms.nn.Cell], last: bool):
+        super().__init__(auto_prefix=False)
+        names = {id(p): p.name for c in passes for p in c.get_parameters()}
+        self.passes = ms.nn.CellList(list(passes))
+        self.n = len(passes)
+        self.last = last
+        for p in self.get_parameters():
+            p.name = names[id(p)]
+
+    def forward(self, x, labels=None):
+        saved = ()
+        for i in range(self.n - 1):
+            x, s = self.passes[i].forward(x)
+            saved = saved + (s,)
+        if self.last:
+            x, s = self.passes[self.n - 1].forward(x, labels)
+        else:
+            x, s = self.passes[self.n - 1].forward(x)
+        return x, saved + (s,)
+
+    def output(self, x, labels=None):
+        """The forward's output alone (what F keeps nothing for, under recompute)."""
+        return self.forward(x, labels)[0]
+
+    def backward_input(self, saved, g):
+        pairs = ()
+        for i in range(self.n - 1, -1, -1):
+            g, p = self.passes[i].backward_input(saved[i], g)
+            pairs = (p,) + pairs
+        return g, pairs
+
+    def backward_weight(self, pairs, acc):
+        grads = ()
+        for i in range(self.n):
+            grads = grads + self.passes[i].backward_weight(pairs[i])
+        out = ()
+        for i in range(len(grads)):
+            out = out + (acc[i] + grads[i],)
+        return out
+
+    def backward_full(self, saved, g, acc):
+        dx, pairs = self.backward_input(saved, g)
+        return dx, self.backward_weight(pairs, acc)
+
+
+def explicit_passes_of(blocks: Sequence[ms.nn.Cell]) -> list[ms.nn.Cell] | None:
+    """Each block's ``explicit_passes()``, or None if some block has none."""
+    if not all(callable(getattr(b, "explicit_passes", None)) for b in blocks):
+        return None
+    return [b.explicit_passes() for b in blocks]
+
+
+class ExplicitPasses:
+    """F keeps the values, B never re-runs the forward, W is the kept pairs' GEMMs."""
+
+    name = "explicit"
+
+    def __init__(self, stage, passes: Sequence[ms.nn.Cell], recompute: bool = False):
+        self.stage = stage
+        self.cell = _PassesCell(passes, stage.last)
+        self.weights = [p for c in passes for p in c.weights()]
+        have, want = {id(p) for p in self.weights}, {id(p): p for p in stage.weights}
+        missing = [p.name for i, p in want.items() if i not in have]
+        if missing:
+            raise ScheduleError(f"stage {stage.index}: the explicit passes give no gradient for {missing}")
+        self.recompute = recompute
+        self._fns: dict[str, Any] = {}
+        self._zeros = None
+        self.acc: tuple | None = None  # one accumulated gradient per entry of self.weights
+
+    def _fn(self, what: str) -> Any:
+        if what not in self._fns:
+            fn = _call(self.cell, what)
+            self._fns[what] = ms.jit(fn) if self.stage.jit else fn
+        return self._fns[what]
+
+    def _accumulators(self) -> tuple:
+        if self.acc is None:
+            if self._zeros is None:
+                self._zeros = tuple(ms.ops.zeros(p.shape, p.dtype) for p in self.weights)
+            return self._zeros
+        return self.acc
+
+    def _values(self, saved) -> Any:
+        if saved.values is None:  # recompute: make the values again right before B
+            _, saved.values = self._fn("forward")(*self.stage.args(saved))
+        values, saved.values = saved.values, None
+        return values
+
+    def forward(self, saved) -> Any:
+        if self.recompute:
+            saved.values = None
+            return self._fn("output")(*self.stage.args(saved))
+        out, saved.values = self._fn("forward")(*self.stage.args(saved))
+        if not self.stage.last:
+            saved.x = None  # B needs only the values (the labels neither)
+        return out
+
+    def backward_input(self, saved, grad_out) -> Any:
+        dx, saved.pairs = self._fn("backward_input")(self._values(saved), grad_out)
+        saved.x = saved.labels = None
+        return dx
+
+    def backward_weight(self, saved) -> None:
+        self.acc = self._fn("backward_weight")(saved.pairs, self._accumulators())
+        saved.pairs = None
+
+    def backward_full(self, saved, grad_out) -> Any:
+        dx, self.acc = self._fn("backward_full")(self._values(saved), grad_out, self._accumulators())
+        return dx
+
+    def grads(self) -> dict[int, np.ndarray]:
+        out: dict[int, np.ndarray] = {}
+        for p, g in zip(self.weights, self.acc or ()):
+            g = g.asnumpy()
+            out[id(p)] = g if id(p) not in out else out[id(p)] + g  # a weight two blocks share
+        return out
+
+    def set_grads(self, grads: dict[int, np.ndarray]) -> None:
+        if not grads:
+            self.acc = None
+            return
+        seen: set[int] = set()
+        acc = []
+        for p in self.weights:  # a shared weight's sum goes to its first entry
+            g = grads.get(id(p)) if id(p) not in seen else None
+            seen.add(id(p))
+            acc.append(ms.Tensor(g) if g is not None else ms.ops.zeros(p.shape, p.dtype))
+        self.acc = tuple(acc)
+
+
+class _NumpyGrads:
+    """Accumulators in numpy, per Parameter (the ms.grad-based strategies)."""
+
+    def __init__(self):
+        self.acc: dict[int, np.ndarray] = {}
+
+    def add(self, params: Sequence[ms.Parameter], grads: Sequence[Any]) -> None:
+        for p, g in zip(params, grads):
+            g = g if isinstance(g, np.ndarray) else g.asnumpy()
+            have = self.acc.get(id(p))
+            self.acc[id(p)] = g.copy() if have is None else have + g
+
+    def grads(self) -> dict[int, np.ndarray]:
+        return dict(self.acc)
+
+    def set_grads(self, grads: dict[int, np.ndarray]) -> None:
+        self.acc = {k: v.copy() for k, v in grads.items()}
+
+
+class RecomputeGrads(_NumpyGrads):
+    """B and W each an ``ms.grad`` of the whole stage from its saved input (forward re-run)."""
+
+    name = "recompute"
+
+    def __init__(self, stage, cell: _StageCell, fns: dict):
+        super().__init__()
+        self.stage, self.cell, self._fns = stage, cell, fns
+
+    def _fn(self, what: str) -> Any:
+        key = (what, self.stage.jit)
+        if key not in self._fns:
+            cell, weights = self.cell, self.stage.weights
+            if what == "fwd":
+                fn = _call(cell)
+            elif what == "dx":
+                fn = ms.grad(cell, grad_position=0, sens_param=True)
+            elif what == "dw":
+                fn = ms.grad(cell, grad_position=None, weights=weights, sens_param=True)
+            else:
+                fn = ms.grad(cell, grad_position=0, weights=weights, sens_param=True)
+            self._fns[key] = ms.jit(fn) if self.stage.jit else fn
+        return self._fns[key]
+
+    def forward(self, saved) -> Any:
+        return self._fn("fwd")(*self.stage.args(saved))
+
+    def backward_input(self, saved, grad_out) -> Any:
+        if self.stage.first:
+            return None  # stage 0 differentiates nothing but its weights: all of it in W
+        return _first(self._fn("dx")(*self.stage.args(saved), grad_out))
+
+    def backward_weight(self, saved) -> None:
+        if self.stage.weights:
+            self.add(self.stage.weights, self._fn("dw")(*self.stage.args(saved), saved.grad_out))
+
+    def backward_full(self, saved, grad_out) -> Any:
+        args = (*self.stage.args(saved), grad_out)
+        if not self.stage.weights:
+            return None if self.stage.first else _first(self._fn("dx")(*args))
+        if self.stage.first:
+            self.add(self.stage.weights, self._fn("dw")(*args))
+            return None
+        dx, dw = self._fn("both")(*args)
+        self.add(self.stage.weights, dw)
+        return _first(dx)
+
+
+class StoredLinearGrads(_NumpyGrads):
+    """PyNative: hooks queue the linear layers' (x, g) in B; W multiplies them (``dW = g^T x``)."""
+
+    name = "stored"
+
+    def __init__(self, stage, cell: _StageCell, fns: dict, deferred: DeferredLinearGrads):
+        super().__init__()
+        self.stage, self.cell, self._fns, self.deferred = stage, cell, fns, deferred
+        #: weights B differentiates (norms, embeddings, expert stacks, routers, shared weights)
+        self.early = [p for p in stage.weights if not deferred.deferred(p)]
+        self.fallback = RecomputeGrads(stage, cell, fns)  # the forward and the fused BW
+        self.fallback.acc = self.acc
+
+    def _early_fn(self) -> Any:
+        if "early" not in self._fns:
+            position = None if self.stage.first else 0
+            self._fns["early"] = ms.grad(self.cell, grad_position=position, weights=self.early or None, sens_param=True)
+        return self._fns["early"]
+
+    def forward(self, saved) -> Any:
+        return self.fallback.forward(saved)
+
+    def backward_input(self, saved, grad_out) -> Any:
+        with self.deferred.recording(saved.mb):
+            out = self._early_fn()(*self.stage.args(saved), grad_out)
+        dx, early = (None, out) if self.stage.first else out if self.early else (out, ())
+        if self.early:
+            self.add(self.early, early)
+        if self.checked:
+            saved.x = saved.labels = None  # W needs only the queued pairs
+        return None if self.stage.first else _first(dx)
+
+    def backward_weight(self, saved) -> None:
+        grads = self.deferred.pop_grads(saved.mb)
+        if not self.checked:
+            self._check(saved, grads)
+        self.add(self.deferred.params, [grads[id(p)] for p in self.deferred.params])
+
+    def backward_full(self, saved, grad_out) -> Any:
+        return self.fallback.backward_full(saved, grad_out)
+
+    def set_grads(self, grads: dict[int, np.ndarray]) -> None:
+        super().set_grads(grads)
+        self.fallback.acc = self.acc
+
+    @property
+    def checked(self) -> bool:
+        return self._fns.get("checked", False)
+
+    def _check(self, saved, grads: dict[int, np.ndarray]) -> None:
+        """Once per stage: the deferred gradients of one microbatch against a full ``ms.grad``. A
+        weight used outside its cell's ``construct`` (``ops.matmul(x, lin.weight)``) escapes the
+        hooks; this says which instead of training with a wrong gradient."""
+        params = self.deferred.params
+        fn = ms.grad(self.cell, grad_position=None, weights=params, sens_param=True)
+        for p, want in zip(params, fn(*self.stage.args(saved), saved.grad_out)):
+            want, got = want.asnumpy(), grads[id(p)]
+            if not np.allclose(got, want, rtol=1e-3, atol=1e-5 * max(1.0, float(np.abs(want).max()))):
+                raise ScheduleError(
+                    f"stage {self.stage.index}: the deferred gradient of {p.name!r} differs from ms.grad's "
+                    f"(max error {float(np.abs(got - want).max()):.3g}); the weight is used outside its "
+                    "cell's construct: build the stage with dw='recompute'"
+                )
+        self._fns["checked"] = self.stage.verified = True

@@ -1,23 +1,24 @@
-"""ZeroBubbleV against 1F1B on 2 CPU ranks: measured step time, and the simulator's prediction.
+"""ZeroBubbleV against 1F1B on 2 CPU ranks, ms-pipeline beside PyTorch's own pipelining, with the
+simulator's prediction from the measured costs.
 
-    python benchmarks/bench_pipeline.py [--quick] --out benchmarks/results/pipeline.json
+    python benchmarks/bench_pipeline.py [--hidden 256 --layers 8 --seq 128 --micro-batch 4
+        --microbatches 8] [--quick] --out benchmarks/results/pipeline.json
 
-Both schedules train the same toy transformer (ms_pipeline.runtime.toy) on 2 local ranks with one
-thread each (gloo moves the tensors), stages compiled with mindspore.jit. For each microbatch
-count the script measures, side by side in one run:
+One Llama-shaped decoder (ms-models, untied head) at a size where compute, not dispatch,
+dominates, trained for a few steps by four runtimes on the same 2 gloo ranks x 1 thread, steps
+alternated so that all see the same machine:
 
-* the step time (median over steps, slowest rank);
-* the bubble, from the run's own trace (idle over ranks x makespan, and the Zero Bubble authors'
-  definition);
-* the median F / B / W (ZBV) and F / BW (1F1B) time per stage from the same trace, and the transfer
-  latency from a ping-pong of one activation;
-* what the simulator predicts for the schedule under exactly those measured costs.
+* ms-pipeline 1F1B and ZBV, stages compiled with ``mindspore.jit`` on the models' explicit passes
+  (F keeps what B needs, B never re-runs the forward, W is the kept pairs' GEMMs, BW both);
+* PyTorch's ``Schedule1F1B`` and ``ScheduleZBVZeroBubble`` on the same model in torch (eager, its
+  own dI/dW split), same ranks, threads and cut.
 
-Under jit, B and W each re-run their stage's forward (the generic block-level dx/dw split,
-docs/ms-pipeline.md), so ZBV computes more than 1F1B; the benchmark shows how much of that its
-smaller bubble wins back, and whether the simulator saw it coming. In PyNative a second table
-compares ZBV's two ways to get W (``dw="recompute"`` against ``dw="stored"``, which queues each
-linear layer's input and output gradient in B and leaves W two GEMMs per layer) with 1F1B.
+Reported per variant: the median step (slowest rank), and for ms-pipeline the run's own trace
+(bubble, median F/B/W per stage), the simulator's makespan under those costs and its error, the
+step's peak RSS above its start next to the simulator's peak of held values; then rows for
+p = 4 and 8 simulated from the measured per-layer costs (each stage keeping the measured stage's
+layers). The JSON's ``summary`` holds ``zbv_over_1f1b``, ``torch_zbv_over_1f1b`` and
+``simulator_error``.
 """
 
 from __future__ import annotations
@@ -27,72 +28,166 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
-from _common import machine_info
+from _common import machine_info, print_table
 
 RANKS = 2
-NAMES = ("1f1b", "zbv")
-#: PyNative runs (hooks do not work under jit): (schedule, dw) per row
-PYNATIVE = (("1f1b", "auto"), ("zbv", "recompute"), ("zbv", "stored"))
-CONFIG = {"vocab": 128, "d": 64, "layers": 3, "heads": 4, "seq": 32, "micro_batch": 4, "jit": True, "threads": 1}
+MS = ("1f1b", "zbv")
+TORCH = ("torch 1f1b", "torch zbv")
 
 
-def _label(name, dw):
-    return f"{name} pynative" if dw == "auto" else f"{name} pynative dw={dw}"
+def _config(args):
+    import ms_models
+
+    return ms_models.tiny_config(
+        "llama",
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate or int(2.6875 * args.hidden),
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads,
+        max_position_embeddings=max(256, args.seq),
+        tie_word_embeddings=False,
+    )
 
 
-def _timed(runtimes, inputs, labels, steps, out, m, latency):
-    """Timed steps alternating the runtimes, so that all see the same machine (the cores are shared)."""
-    for label in runtimes:
-        out[label, m] = {"times": [], "events": [], "latency": latency}
-    for _ in range(steps):
-        for label, runtime in runtimes.items():
-            runtime.zero_grads()
-            start = time.perf_counter()
-            result = runtime.step(inputs, labels)
-            out[label, m]["times"].append(time.perf_counter() - start)
-            out[label, m]["events"].append(result.events)
+def layer_counts(layers: int, stages: int) -> list[int]:
+    """Decoder layers per stage, as even as they go (the first stages take the remainder)."""
+    if layers < stages:
+        raise SystemExit(f"--layers {layers} is fewer than the {stages} stages of ZBV on {RANKS} ranks")
+    return [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]
 
 
-def _rank(group, micro_counts, steps, pynative_m):
-    """One rank: for each microbatch count, a warm-up step of each schedule, then timed steps
-    alternating 1F1B and ZBV; then the PyNative variants at ``pynative_m`` microbatches."""
-    import ms_pipeline as mp
-    from ms_pipeline.runtime import ToyConfig, setup_cpu, toy_setup
+def block_counts(layers: int, stages: int) -> list[int]:
+    """Blocks per stage: the embedding joins stage 0, the head the last stage."""
+    counts = layer_counts(layers, stages)
+    counts[0] += 1
+    counts[-1] += 1
+    return counts
 
-    config = ToyConfig(**CONFIG)
-    setup_cpu(config.threads)
-    shape = (config.micro_batch, config.seq, config.d)
-    latency = _ping_pong(group, shape)
-    # one model for both schedules and every microbatch count: each stage is compiled once
-    model, _, all_inputs, all_labels = toy_setup(config, 2 * RANKS, max(micro_counts))
-    blocks = list(model.blocks)
+
+class PeakRSS:
+    """The highest resident set size seen while the block runs (sampled every 2 ms)."""
+
+    def __init__(self):
+        self.page = os.sysconf("SC_PAGE_SIZE")
+
+    def now(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def __enter__(self):
+        self.start = self.peak = self.now()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, self.now())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.now())
+
+
+def _held_units(runtime, shape, vocab) -> dict:
+    """Bytes one microbatch leaves held on each stage after F and after B (for the simulator's
+    memory model), measured on the stages themselves with data of the right shape."""
+    import mindspore as ms
+
+    rng = np.random.default_rng(0)
     out = {}
-    for m in micro_counts:
-        inputs, labels = all_inputs[:m], all_labels[:m]
-        runtimes = {}
-        for name in NAMES:
-            schedule = mp.build(name, RANKS, m)
-            placement = mp.LayerPlacement.even(len(blocks), schedule.num_stages)
-            mine = {s: [blocks[i] for i in placement.layers(s)] for s in schedule.stages_of(group.rank)}
-            runtimes[name] = mp.runtime.PipelineRuntime(schedule, mine, group, activation_shape=shape, jit=config.jit)
-            runtimes[name].step(inputs, labels)  # warm-up: compiles what this schedule needs
-        _timed(runtimes, inputs, labels, steps, out, m, latency)
-    # PyNative on a model of its own: the jit stages above must never see the dW hooks
-    model, _, inputs, labels = toy_setup(ToyConfig(**{**CONFIG, "jit": False}), 2 * RANKS, pynative_m)
-    blocks = list(model.blocks)
-    runtimes = {}
-    for name, dw in PYNATIVE:
-        schedule = mp.build(name, RANKS, pynative_m)
-        placement = mp.LayerPlacement.even(len(blocks), schedule.num_stages)
-        mine = {s: [blocks[i] for i in placement.layers(s)] for s in schedule.stages_of(group.rank)}
-        runtime = mp.runtime.PipelineRuntime(schedule, mine, group, activation_shape=shape, dw=dw)
-        runtime.step(inputs, labels)  # warm-up (and the one-time check of the stored dW)
-        runtimes[_label(name, dw)] = runtime
-    _timed(runtimes, inputs, labels, max(2, steps // 2), out, pynative_m, latency)
+    for s, stage in runtime.stages.items():
+        x = (
+            ms.Tensor(rng.integers(0, vocab, shape[:2]).astype(np.int32))
+            if stage.first
+            else ms.Tensor(rng.standard_normal(shape).astype(np.float32))
+        )
+        labels = ms.Tensor(rng.integers(0, vocab, shape[:2]).astype(np.int32)) if stage.last else None
+        y = stage.forward(99, x, labels)
+        after_f = stage.held_bytes()
+        g = ms.Tensor(0.125, ms.float32) if stage.last else ms.Tensor(np.ones(y.shape, np.float32))
+        if stage.dw == "explicit" and runtime.schedule.name.lower().startswith("1f1b"):
+            stage.backward_full(99, g)
+            after_b = 0
+        else:
+            stage.backward_input(99, g)
+            after_b = stage.held_bytes()
+            stage.backward_weight(99)
+        out[s] = (after_f, after_b)
+    for stage in runtime.stages.values():
+        stage.zero_grads()
+    return out
+
+
+def _rank(group, args):
+    import _torch_pipeline_peer as peer
+    import mindspore as ms
+    import torch
+
+    import ms_models
+    import ms_pipeline as mp
+    from ms_pipeline.runtime import setup_cpu
+
+    setup_cpu(1)
+    torch.set_num_threads(1)
+    config = _config(args)
+    shape = (args.micro_batch, args.seq, args.hidden)
+    latency = _ping_pong(group, shape)
+    model = ms_models.from_config(config, seed=0)
+    blocks = ms_models.pipeline_blocks(model)
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, args.vocab, (args.microbatches, args.micro_batch, args.seq + 1)).astype(np.int32)
+    inputs, labels = [ms.Tensor(x[:, :-1]) for x in ids], [ms.Tensor(x[:, 1:]) for x in ids]
+    runtimes, held, compile_s = {}, {}, {}
+    for name in MS:
+        schedule = mp.build(name, RANKS, args.microbatches)
+        placement = mp.LayerPlacement.from_counts(block_counts(args.layers, schedule.num_stages))
+        staged = mp.runtime.split_blocks(blocks, placement)
+        mine = {s: staged[s] for s in schedule.stages_of(group.rank)}
+        runtimes[name] = mp.runtime.PipelineRuntime(schedule, mine, group, activation_shape=shape, jit=True)
+        start = time.perf_counter()
+        runtimes[name].step(inputs, labels)  # warm-up: compiles F, B, W / BW of each stage
+        compile_s[name] = time.perf_counter() - start
+        held[name] = _held_units(runtimes[name], shape, args.vocab)
+    t_ids = torch.from_numpy(ids[:, :, :-1].reshape(-1, args.seq).astype(np.int64))
+    t_labels = torch.from_numpy(ids[:, :, 1:].reshape(-1, args.seq).astype(np.int64))
+    torch_runs = {}
+    for name in TORCH:
+        kind = name.split()[1]
+        counts = layer_counts(args.layers, RANKS * (2 if kind == "zbv" else 1))
+        last_rank = RANKS - 1 if kind == "1f1b" else 0
+        schedule, modules = peer.build(kind, config, group.rank, RANKS, args.microbatches, counts)
+        torch_runs[name] = (schedule, modules, last_rank)
+        start = time.perf_counter()
+        peer.step(schedule, modules, group.rank, last_rank, t_ids, t_labels)  # warm-up
+        compile_s[name] = time.perf_counter() - start
+    out = {name: {"times": [], "events": [], "rss": []} for name in (*MS, *TORCH)}
+    rss = PeakRSS()
+    for _ in range(args.steps):
+        for name in (*MS, *TORCH):  # alternated: every variant sees the same machine
+            group.barrier()
+            with rss:
+                start = time.perf_counter()
+                if name in runtimes:
+                    runtimes[name].zero_grads()
+                    result = runtimes[name].step(inputs, labels)
+                    out[name]["events"].append(result.events)
+                else:
+                    peer.step(*torch_runs[name][:2], group.rank, torch_runs[name][2], t_ids, t_labels)
+                out[name]["times"].append(time.perf_counter() - start)
+            out[name]["rss"].append(rss.peak - rss.start)
+    for name in out:
+        out[name].update(latency=latency, held=held.get(name), compile_s=compile_s[name])
     return out
 
 
@@ -113,147 +208,175 @@ def _ping_pong(group, shape, rounds=20):
 
 
 def _stage_costs(schedule, events):
-    """Median duration of F, B, W and BW per stage over the measured steps (the median, since
-    the shared cores make single actions stall now and then)."""
+    """Median F, B, W (BW into B for 1F1B) per stage over the measured steps."""
     from ms_pipeline import Kind
 
-    sums: dict = {}
+    durations: dict = {}
     for step_events in events:
         for e in step_events:
             for part in e.action.computes():
-                # a pair's halves are not timed apart; none are scheduled here
-                key = (part.stage, part.kind)
-                sums.setdefault(key, []).append(e.end - e.start)
-    mean = {k: statistics.median(v) for k, v in sums.items()}
-    f = [mean[(s, Kind.F)] for s in range(schedule.num_stages)]
-    if (0, Kind.BW) in mean:
-        b = [mean[(s, Kind.BW)] for s in range(schedule.num_stages)]
-        w = [0.0] * schedule.num_stages
-    else:
-        b = [mean[(s, Kind.B)] for s in range(schedule.num_stages)]
-        w = [mean[(s, Kind.W)] for s in range(schedule.num_stages)]
-    return f, b, w
+                durations.setdefault((part.stage, part.kind), []).append(e.end - e.start)
+    med = {k: statistics.median(v) for k, v in durations.items()}
+    stages = range(schedule.num_stages)
+    f = [med[(s, Kind.F)] for s in stages]
+    if (0, Kind.BW) in med:
+        return f, [med[(s, Kind.BW)] for s in stages], [0.0] * schedule.num_stages
+    return f, [med[(s, Kind.B)] for s in stages], [med[(s, Kind.W)] for s in stages]
 
 
-def _row(name, m, per_rank):
+def _held(per_rank, num_stages):
+    """(bytes after F, bytes after B) of each stage, from the ranks that hold them."""
+    merged = {}
+    for r in per_rank:
+        merged.update({int(s): v for s, v in r["held"].items()})
+    return [merged[s] for s in range(num_stages)]
+
+
+def _ms_row(name, args, per_rank):
     import ms_pipeline as mp
 
-    schedule = mp.build(name.split()[0], RANKS, m)
+    schedule = mp.build(name, RANKS, args.microbatches)
     steps = len(per_rank[0]["times"])
     step_times = [max(r["times"][i] for r in per_rank) for i in range(steps)]
     events = [[e for r in per_rank for e in r["events"][i] if e.action.is_compute] for i in range(steps)]
     measured = [mp.Bubbles.of(ev, RANKS) for ev in events]
     f, b, w = _stage_costs(schedule, events)
-    latency = per_rank[0]["latency"]
-    costs = mp.CostModel(f=f, b=b, w=w, comm=latency, mem_f=1.0, mem_b=-0.5, mem_w=-0.5)
+    held = _held(per_rank, schedule.num_stages)
+    mem_f = [h[0] / 2**20 for h in held]
+    mem_b = [(h[1] - h[0]) / 2**20 for h in held]
+    mem_w = [-h[1] / 2**20 for h in held]
+    costs = mp.CostModel(f=f, b=b, w=w, comm=per_rank[0]["latency"], mem_f=mem_f, mem_b=mem_b, mem_w=mem_w)
     predicted = mp.simulate(schedule, costs)
+    step = statistics.median(step_times)
     return {
         "schedule": name,
-        "microbatches": m,
-        "step_s": statistics.median(step_times),
-        "step_min_s": min(step_times),
+        "ranks": RANKS,
+        "microbatches": args.microbatches,
+        "step_s": step,
+        "predicted_s": predicted.makespan,
+        "simulator_error": abs(predicted.makespan - step) / step,
         "trace_makespan_s": statistics.median(x.makespan for x in measured),
-        "predicted_makespan_s": predicted.makespan,
         "measured_bubble": statistics.median(x.bubble_rate for x in measured),
         "predicted_bubble": predicted.bubble_rate,
-        "measured_bubble_zb": statistics.median(x.bubble_rate_zb for x in measured),
-        "predicted_bubble_zb": predicted.bubble_rate_zb,
         "f_ms": 1e3 * statistics.fmean(f),
         "b_ms": 1e3 * statistics.fmean(b),
         "w_ms": 1e3 * statistics.fmean(w),
-        "comm_ms": 1e3 * latency,
+        "comm_ms": 1e3 * per_rank[0]["latency"],
+        "peak_rss_mb": max(statistics.median(r["rss"]) for r in per_rank) / 2**20,
+        "predicted_held_mb": max(predicted.peak_activation),
+        "compile_s": max(r["compile_s"] for r in per_rank),
+    }, (f, b, w)
+
+
+def _torch_row(name, args, per_rank):
+    steps = len(per_rank[0]["times"])
+    step_times = [max(r["times"][i] for r in per_rank) for i in range(steps)]
+    return {
+        "schedule": name,
+        "ranks": RANKS,
+        "microbatches": args.microbatches,
+        "step_s": statistics.median(step_times),
+        "peak_rss_mb": max(statistics.median(r["rss"]) for r in per_rank) / 2**20,
     }
 
 
-def _print(rows, title):
-    columns = list(rows[0])
-    try:
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(title=title)
-        for c in columns:
-            table.add_column(c, justify="right")
-        for r in rows:
-            table.add_row(*(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()))
-        Console().print(table)
-    except ImportError:
-        print(title)
-        print("  ".join(columns))
-        for r in rows:
-            print("  ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()))
-
-
-def _draw(png_dir, trace_dir, results, m: int) -> None:
-    """The fastest measured step of each schedule: a PNG (receive waits in grey), a Chrome trace."""
+def _simulated(args, costs, ranks_list=(4, 8)):
+    """Rows for more ranks from the costs measured at p = 2, weak scaling (every stage keeps the
+    layers of a measured stage; the embedding and head stay on the end stages). A ZBV middle stage
+    costs what the measured layers-only stage cost; a 1F1B middle stage what the measured 1F1B
+    stage 0 cost less the embedding's share (the difference between ZBV's stage 0 and its
+    layers-only stage)."""
     import ms_pipeline as mp
-    from ms_pipeline.draw import draw_png, write_chrome_trace
 
-    for name in NAMES:
-        per_rank = [r[name, m] for r in results]
-        best = min(range(len(per_rank[0]["times"])), key=lambda i: max(r["times"][i] for r in per_rank))
-        events = [e for r in per_rank for e in r["events"][best]]
-        t0 = min(e.start for e in events)
-        events = [mp.Event(e.rank, e.action, 1e3 * (e.start - t0), 1e3 * (e.end - t0)) for e in events]  # ms
-        schedule = mp.build(name, RANKS, m)
-        bubbles = mp.Bubbles.of([e for e in events if e.action.is_compute], RANKS)
-        title = f"{name}, measured on 2 CPU ranks, m={m}: {bubbles.makespan:.0f} ms, bubble {bubbles.bubble_rate:.1%}"
-        if png_dir:
-            Path(png_dir).mkdir(parents=True, exist_ok=True)
-            path = Path(png_dir) / f"ms-pipeline-run-{name}.png"
-            draw_png(events, path, stage_to_rank=schedule.stage_to_rank, title=title, xlabel="ms")
-        if trace_dir:
-            write_chrome_trace(Path(trace_dir) / f"ms-pipeline-run-{name}.json", events, name=name)
+    fz, bz, wz = costs["zbv"]
+    f1, b1, _ = costs["1f1b"]
+    mid = 1  # ZBV stage 1 holds layers only
+    embed_f, embed_b = fz[0] - fz[mid], (bz[0] + wz[0]) - (bz[mid] + wz[mid])
+    per_stage = {
+        "zbv": lambda n: ([fz[0]] + [fz[mid]] * (n - 2) + [fz[-1]], [bz[0]] + [bz[mid]] * (n - 2) + [bz[-1]],
+                          [wz[0]] + [wz[mid]] * (n - 2) + [wz[-1]]),
+        "1f1b": lambda n: ([f1[0]] + [f1[0] - embed_f] * (n - 2) + [f1[-1]],
+                           [b1[0]] + [b1[0] - embed_b] * (n - 2) + [b1[-1]], [0.0] * n),
+    }  # fmt: skip
+    rows = []
+    for ranks in ranks_list:
+        m = max(args.microbatches, 2 * ranks)
+        out = {}
+        for name in MS:
+            schedule = mp.build(name, ranks, m)
+            f, b, w = per_stage[name](schedule.num_stages)
+            out[name] = mp.simulate(schedule, mp.CostModel(f=f, b=b, w=w, comm=0.0)).makespan
+            row = {"schedule": f"{name} (simulated)", "ranks": ranks, "microbatches": m, "predicted_s": out[name]}
+            rows.append(row)
+        rows[-1]["zbv/1f1b"] = out["zbv"] / out["1f1b"]
+    return rows
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer microbatch counts and steps")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
+    parser.add_argument("--seq", type=int, default=128, help="tokens per sample (default 128)")
+    parser.add_argument("--micro-batch", type=int, default=4, help="samples per microbatch (default 4)")
+    parser.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
+    parser.add_argument("--vocab", type=int, default=2048, help="vocabulary (default 2048)")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (default 2)")
+    parser.add_argument("--intermediate", type=int, default=0, help="MLP width (default 2.6875 x hidden)")
+    parser.add_argument("--steps", type=int, default=0, help="timed steps per variant (default 6, 3 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="fewer steps")
     parser.add_argument("--out", default="benchmarks/results/pipeline.json")
-    parser.add_argument("--draw", metavar="DIR", help="also write PNG timelines of measured steps here")
-    parser.add_argument("--trace", metavar="DIR", help="also write Chrome traces (Perfetto) of measured steps here")
+    parser.add_argument("--draw", metavar="DIR", help="also write PNG timelines of the fastest measured steps")
     args = parser.parse_args(argv)
+    args.steps = args.steps or (3 if args.quick else 6)
+    for flag in ("hidden", "layers", "seq", "micro_batch", "microbatches", "vocab", "heads", "kv_heads", "steps"):
+        if getattr(args, flag) <= 0:
+            parser.error(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if args.hidden % args.heads or args.heads % args.kv_heads:
+        parser.error(f"--hidden {args.hidden}, --heads {args.heads}, --kv-heads {args.kv_heads} do not divide")
+    layer_counts(args.layers, 2 * RANKS)
     from ms_layout.comm import run_local
 
-    micro_counts = [4, 8] if args.quick else [4, 8, 12]
-    steps = 3 if args.quick else 6
-    pynative_m = 8
     start = time.perf_counter()
-    results = run_local(
-        _rank,
-        RANKS,
-        backend="gloo",
-        args=(micro_counts, steps, pynative_m),
-        timeout=1800,
-        env={"OMP_NUM_THREADS": "1"},
-    )
+    results = run_local(_rank, RANKS, backend="gloo", args=(args,), timeout=3000, env={"OMP_NUM_THREADS": "1"})
     print(f"ran in {time.perf_counter() - start:.0f} s", file=sys.stderr)
-    rows = []
-    for m in micro_counts:
-        one = _row("1f1b", m, [r["1f1b", m] for r in results])
-        zbv = _row("zbv", m, [r["zbv", m] for r in results])
-        for key in ("step_s", "step_min_s", "predicted_makespan_s"):
-            zbv[f"zbv/1f1b {key}"] = zbv[key] / one[key]
-            one[f"zbv/1f1b {key}"] = 1.0
-        rows += [one, zbv]
-    base = _row(_label(*PYNATIVE[0]), pynative_m, [r[_label(*PYNATIVE[0]), pynative_m] for r in results])
-    pynative = [base]
-    for variant in PYNATIVE[1:]:
-        row = _row(_label(*variant), pynative_m, [r[_label(*variant), pynative_m] for r in results])
-        row["schedule"] = _label(*variant)
-        pynative.append(row)
-    for row in pynative:
-        for key in ("step_s", "step_min_s", "predicted_makespan_s"):
-            row[f"zbv/1f1b {key}"] = row[key] / base[key]
-    base["schedule"] = _label(*PYNATIVE[0])
-    if args.draw or args.trace:
-        _draw(args.draw, args.trace, results, micro_counts[len(micro_counts) // 2])
-    title = "ZeroBubbleV vs 1F1B, 2 CPU ranks x 1 thread, toy transformer (measured beside simulated)"
-    _print(rows, title)
-    _print(pynative, f"The same in PyNative, m={pynative_m}: ZBV's W recomputed or from stored linear-layer pairs")
-    rows += pynative
-    machine = machine_info("mindspore", "torch", ranks=RANKS, threads_per_rank=CONFIG["threads"], model=CONFIG)
-    report = {"benchmark": "pipeline", "title": title, "machine": machine, "rows": rows}
+    rows, costs = [], {}
+    for name in MS:
+        row, costs[name] = _ms_row(name, args, [r[name] for r in results])
+        rows.append(row)
+    rows += [_torch_row(name, args, [r[name] for r in results]) for name in TORCH]
+    by = {r["schedule"]: r for r in rows}
+    for r in rows:
+        base = by["torch 1f1b" if r["schedule"].startswith("torch") else "1f1b"]
+        r["zbv/1f1b"] = r["step_s"] / base["step_s"]
+        r["over_torch"] = by[("torch " + r["schedule"]).replace("torch torch ", "torch ")]["step_s"] / r["step_s"]
+    simulated = _simulated(args, costs)
+    if args.draw:
+        _draw(args.draw, results, args)
+    model = {k: getattr(args, k) for k in ("hidden", "layers", "seq", "micro_batch", "microbatches", "vocab", "heads")}
+    title = (
+        f"ZeroBubbleV vs 1F1B, {RANKS} CPU ranks x 1 thread, Llama d={args.hidden} x {args.layers} layers, "
+        f"seq {args.seq}, micro-batch {args.micro_batch}, m={args.microbatches}: ms-pipeline (jit) beside PyTorch"
+    )
+    print_table([{k: f"{v:.4g}" if isinstance(v, float) else v for k, v in r.items()} for r in rows], title)
+    print_table([{k: f"{v:.4g}" if isinstance(v, float) else v for k, v in r.items()} for r in simulated], "simulated")
+    machine = machine_info("mindspore", "torch", ranks=RANKS, threads_per_rank=1, model=model)
+    summary = {
+        "zbv_over_1f1b": by["zbv"]["step_s"] / by["1f1b"]["step_s"],
+        "torch_zbv_over_1f1b": by["torch zbv"]["step_s"] / by["torch 1f1b"]["step_s"],
+        "simulator_error": max(r["simulator_error"] for r in rows if "simulator_error" in r),
+        "ms_zbv_over_torch_zbv_step": by["zbv"]["step_s"] / by["torch zbv"]["step_s"],
+        "load_avg_1m": machine["load_avg_1m"],
+    }
+    report = {
+        "benchmark": "pipeline",
+        "title": title,
+        "summary": summary,
+        "machine": machine,
+        "rows": rows,
+        "simulated_rows": simulated,
+    }
+    print(json.dumps(summary, indent=2))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
@@ -261,6 +384,25 @@ def main(argv=None) -> int:
     os.replace(tmp, out)
     print(f"wrote {out}", file=sys.stderr)
     return 0
+
+
+def _draw(png_dir, results, args) -> None:
+    """The fastest measured step of each ms-pipeline schedule as a PNG (receive waits in grey)."""
+    import ms_pipeline as mp
+    from ms_pipeline.draw import draw_png
+
+    for name in MS:
+        per_rank = [r[name] for r in results]
+        best = min(range(len(per_rank[0]["times"])), key=lambda i: max(r["times"][i] for r in per_rank))
+        events = [e for r in per_rank for e in r["events"][best]]
+        t0 = min(e.start for e in events)
+        events = [mp.Event(e.rank, e.action, 1e3 * (e.start - t0), 1e3 * (e.end - t0)) for e in events]
+        schedule = mp.build(name, RANKS, args.microbatches)
+        bubbles = mp.Bubbles.of([e for e in events if e.action.is_compute], RANKS)
+        title = f"{name}, measured, d={args.hidden}, m={args.microbatches}: {bubbles.makespan:.0f} ms"
+        Path(png_dir).mkdir(parents=True, exist_ok=True)
+        path = Path(png_dir) / f"ms-pipeline-run-{name}.png"
+        draw_png(events, path, stage_to_rank=schedule.stage_to_rank, title=title, xlabel="ms")
 
 
 if __name__ == "__main__":

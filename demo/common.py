@@ -127,11 +127,13 @@ def batches(tokens: list[int], steps: int, microbatches: int, micro_batch: int, 
 
 
 def setup_mindspore(threads: int = 1) -> None:
-    """PyNative on CPU (ms-recompute's hooks need PyNative), few threads: the box is shared."""
+    """PyNative on CPU (hot paths compile themselves with mindspore.jit; ms-probe's hooks need
+    PyNative), synchronous (what stays eager does not queue behind Python's ``.shape`` reads, docs/mindspore-cpu.md),
+    few threads: the box is shared."""
     import mindspore as ms
 
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    ms.set_context(mode=ms.PYNATIVE_MODE, runtime_num_threads=threads)
+    ms.set_context(mode=ms.PYNATIVE_MODE, runtime_num_threads=threads, pynative_synchronize=True)
     ms.set_device("CPU")
 
 

@@ -2,9 +2,12 @@
 monitored by ms-monitor.
 
 Each rank (``ms_layout.comm.run_local``, gloo) builds the same model from the initial checkpoint,
-cuts it into blocks, keeps the blocks of its two V stages, applies ms-recompute's plan to the
-decoder layers of each stage (both layers of a pair inside one stage: one ``ms.grad`` call, as
-docs/ms-recompute.md asks), and runs ms-pipeline's ``PipelineRuntime`` with an ``nn.Adam``. An
+cuts it into blocks, keeps the blocks of its two V stages, and runs ms-pipeline's
+``PipelineRuntime`` with an ``nn.Adam``, compiled: each stage's F, B and W are ``mindspore.jit``
+graphs over the blocks' explicit passes (B never re-runs the forward; W is the kept pairs'
+GEMMs). ms-recompute's plan for the decoder layers of each stage (a pair never spans two stages)
+becomes the stages' recompute flags: a recomputed layer keeps only its input from F to B, and
+B's graph runs its forward again right before its backward. An
 ms-monitor ``Monitor`` in each rank times every step (pipeline and optimizer ranges) and ships it
 to a ``Daemon`` running in this process. The ranks return their trained weights; this stage
 writes them as a sharded checkpoint (one safetensors file per rank, with a manifest) in the
@@ -71,9 +74,8 @@ class PretrainConfig:
 
 def recompute_plans(config: PretrainConfig) -> dict[int, str]:
     """Per stage, the recompute plan over its own decoder layers: the stages holding two or more
-    layers recompute them fully, in pairs (overlap); a pair never spans two stages. A stage with
-    one layer keeps its activations: on this runtime B already re-runs the stage's forward, and
-    recompute adds one more forward per layer (docs/ms-recompute.md), which 2 shared cores feel."""
+    layers recompute them fully, in pairs; a pair never spans two stages. A stage with one layer
+    keeps its activations (recompute costs one more forward of each recomputed layer)."""
     out = {}
     for stage, n in enumerate(config.layer_counts()):
         if n > 1:
@@ -81,24 +83,24 @@ def recompute_plans(config: PretrainConfig) -> dict[int, str]:
     return out
 
 
-def _apply_recompute(config: PretrainConfig, mine: dict) -> tuple[list, dict[int, str]]:
-    """Apply each of this rank's stage plans to that stage's decoder layers -- before the
-    PipelineRuntime is built (docs/ms-recompute.md); returns the applied plans and their text."""
-    from ms_recompute import RecomputePlan
-    from ms_recompute.runtime import apply_plan
+def _recompute_flags(config: PretrainConfig, mine: dict) -> tuple[dict[int, list[bool]], dict[int, str]]:
+    """Each of this rank's stage plans as the stage's recompute flags (one per block: the
+    fully recomputed decoder layers); returns the flags and the plans' text."""
+    from ms_recompute import Granularity, RecomputePlan
 
-    applied, plans = [], {}
+    flags, plans = {}, {}
     for s, spec in recompute_plans(config).items():
         if s in mine:
-            layers = [b.layer for b in mine[s] if hasattr(b, "layer")]  # the decoder-layer blocks
+            layers = [i for i, b in enumerate(mine[s]) if hasattr(b, "layer")]  # the decoder-layer blocks
             plan = RecomputePlan.parse(spec, len(layers), overlap=True, comms=0)
-            applied.append(apply_plan(layers, plan))
+            full = {layers[lp.layer] for lp in plan.layers if lp.granularity is Granularity.FULL}
+            flags[s] = [i in full for i in range(len(mine[s]))]
             plans[s] = plan.format()
-    return applied, plans
+    return flags, plans
 
 
 def _build(group, config: PretrainConfig, init_dir: str):
-    """(runtime, this rank's parameters by name, applied recompute plans, their text)."""
+    """(runtime, this rank's parameters by name, the recompute plans' text)."""
     import mindspore as ms
 
     import ms_models
@@ -109,12 +111,14 @@ def _build(group, config: PretrainConfig, init_dir: str):
     staged = mp.runtime.split_blocks(ms_models.pipeline_blocks(model), placement)
     schedule = mp.zero_bubble_v(config.ranks, config.microbatches)
     mine = {s: staged[s] for s in schedule.stages_of(group.rank)}
-    applied, plans = _apply_recompute(config, mine)
+    flags, plans = _recompute_flags(config, mine)
     params = {p.name: p for s in mine for b in mine[s] for p in b.get_parameters()}
     optimizer = ms.nn.Adam([p for p in params.values() if p.requires_grad], learning_rate=config.lr)
     shape = (config.micro_batch, config.seq, model.config.hidden_size)
-    runtime = mp.runtime.PipelineRuntime(schedule, mine, group, activation_shape=shape, optimizer=optimizer)
-    return runtime, params, applied, plans
+    runtime = mp.runtime.PipelineRuntime(
+        schedule, mine, group, activation_shape=shape, optimizer=optimizer, jit=True, recompute=flags
+    )
+    return runtime, params, plans
 
 
 def _inject(fault: str, runtime, params: dict) -> None:
@@ -139,11 +143,10 @@ def _lose_gradients(stage, microbatch: int) -> None:
         original = getattr(stage, name)
 
         def wrapped(mb, *args, _original=original):
-            before = dict(stage.grads) if mb == microbatch else None
+            before = stage.grads if mb == microbatch else None  # a copy
             out = _original(mb, *args)
             if before is not None:
-                stage.grads.clear()
-                stage.grads.update(before)
+                stage.set_grads(before)
             return out
 
         setattr(stage, name, wrapped)  # an instance attribute over the class's method
@@ -164,7 +167,7 @@ def _rank(group, config_data: dict, init_dir: str, monitor_addr: str) -> dict:
 
     config = _config(config_data)
     setup_mindspore(1)
-    runtime, params, applied, plans = _build(group, config, init_dir)
+    runtime, params, plans = _build(group, config, init_dir)
     _inject(config.fault, runtime, params)
     data = batches(
         tokenize(init_dir, TEXT), config.steps, config.microbatches, config.micro_batch, config.seq, config.data_seed
@@ -199,8 +202,6 @@ def _rank(group, config_data: dict, init_dir: str, monitor_addr: str) -> dict:
         bar.set_postfix(loss=f"{result.loss:.3f}")
     bar.close()
     monitor.close()
-    for a in applied:
-        a.remove()
     return {
         "rank": group.rank,
         "losses": losses,
@@ -278,7 +279,7 @@ def _draw(config: PretrainConfig, ranks: list[dict], work: Path) -> float:
     events = [e for r in ranks for e in r["events"]]
     mp.draw_png(
         events, work / "zbv_measured.png", stage_to_rank=schedule.stage_to_rank, xlabel="seconds",
-        title="ZeroBubbleV, last training step as run (PyNative, 2 ranks)",
+        title="ZeroBubbleV, last training step as run (compiled, 2 ranks)",
     )  # fmt: skip
     return mp.Bubbles.of([e for e in events if e.action.is_compute], config.ranks).bubble_rate
 

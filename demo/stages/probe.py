@@ -22,9 +22,10 @@ checkers) and by a bound from float32 rounding, relative to each tensor's scale
 (demo/tolerance.py): the two runs did the same arithmetic in another order, so no tensor may
 differ by more than n * u of its magnitude. An absolute tolerance would not hold across CPUs and thread counts.
 
-Why not dump inside the pipelined step itself: ms-pipeline's B and W passes re-run each stage's
-forward (and recompute re-runs layers once more), so its modules are called 3-5 times per
-microbatch where the reference calls them once, and dumps align by call order.
+Why not dump inside the pipelined step itself: it runs compiled (each stage's F, B and W are
+``mindspore.jit`` graphs over the blocks' explicit passes), where no module is called as a Cell
+and no dump hook runs; its recomputed layers also run their forward twice. The pipeline's own
+step-1 tensors (weights, gradients) are what it saves instead.
 """
 
 from __future__ import annotations

@@ -56,10 +56,12 @@ class PipelineRuntime:
     ``overlap_fn(runtime, forward, backward)`` runs an OVERLAP_F_B pair; by default its halves
     run one after the other (a model with communication inside can overlap them, as DualPipe's
     ``overlapped_forward_backward``). ``jit`` compiles each block's forward and gradients with
-    ``mindspore.jit`` (seconds per block once, then several times faster than PyNative). ``dw``
-    says how a split backward's W gets the weight gradients (see :class:`Stage`): "stored" queues
-    each linear layer's input and output gradient in B and multiplies them in W, "recompute" runs
-    a second ``ms.grad``; "auto" is "stored" in PyNative and "recompute" under ``jit``."""
+    ``mindspore.jit`` (seconds per stage once, then several times faster than PyNative). ``dw``
+    says how the backward is computed (see :class:`Stage`): "explicit" runs the blocks' own passes
+    (B without a forward re-run, W from the kept pairs), "stored" queues each linear layer's input
+    and output gradient in B and multiplies them in W (PyNative), "recompute" runs ``ms.grad``
+    twice; "auto" takes "explicit" where the blocks have explicit passes. ``recompute[s]`` (True or
+    one flag per block of stage s) makes those blocks keep only their input from F to B."""
 
     def __init__(
         self,
@@ -73,6 +75,7 @@ class PipelineRuntime:
         overlap_fn: Callable[[PipelineRuntime, Action, Action], None] | None = None,
         jit: bool = False,
         dw: str = "auto",
+        recompute: Mapping[int, bool | Sequence[bool]] | None = None,
     ):
         if group.size != schedule.num_ranks:
             raise ScheduleError(
@@ -88,7 +91,14 @@ class PipelineRuntime:
                 f"rank {self.rank} holds stages {list(mine)}, but blocks were given for {sorted(blocks)}"
             )
         last = schedule.num_stages - 1
-        self.stages = {s: Stage(s, blocks[s], first=s == 0, last=s == last, jit=jit, dw=dw) for s in mine}
+        recompute = dict(recompute or {})
+        if set(recompute) - set(mine):
+            extra = sorted(set(recompute) - set(mine))
+            raise ScheduleError(f"rank {self.rank}: recompute names stages {extra} that it does not hold")
+        self.stages = {
+            s: Stage(s, blocks[s], first=s == 0, last=s == last, jit=jit, dw=dw, recompute=recompute.get(s, False))
+            for s in mine
+        }
         self._shape = activation_shape if callable(activation_shape) else (lambda s: tuple(activation_shape))
         self.dtype = np.dtype(dtype)
         self.optimizer = optimizer

@@ -13,9 +13,11 @@ computes (``dw=``):
 * ``"recompute"``: B and W each an ``ms.grad`` that re-runs the stage's forward.
 
 ``"auto"`` takes "explicit" when every block has explicit passes, else "stored" in PyNative and
-"recompute" under ``jit``. ``recompute=True`` (explicit passes only) keeps nothing but the
-stage's input between F and B and re-runs F right before B, which is how activation recompute
-works under ``jit``.
+"recompute" under ``jit``; blocks whose cells carry ms-recompute's saved-tensor hooks (PyNative
+recompute) keep the construct-based modes, since explicit passes never call ``construct``.
+``recompute=`` (explicit passes only; True for every block, or one flag per block) keeps only a
+block's input between F and B and runs its forward again right before its backward, inside B's
+compiled graph: activation recompute under ``jit``.
 
 Two pitfalls of the split are handled by construction: a weight used twice (inside one block,
 or by two blocks of the stage) gets every use, as gradients are accumulated per Parameter object;
@@ -32,7 +34,15 @@ import mindspore as ms
 import numpy as np
 
 from ..errors import ScheduleError
-from .backward import ExplicitPasses, RecomputeGrads, StoredLinearGrads, _StageCell, explicit_passes_of
+from .backward import (
+    ExplicitPasses,
+    RecomputeGrads,
+    StoredLinearGrads,
+    _PassesCell,
+    _StageCell,
+    has_explicit_passes,
+    hooked_for_recompute,
+)
 from .deferred_dw import DeferredLinearGrads
 
 #: how B and W get their gradients (module docstring)
@@ -69,7 +79,7 @@ class Stage:
         last: bool,
         jit: bool = False,
         dw: str = "auto",
-        recompute: bool = False,
+        recompute: bool | Sequence[bool] = False,
     ):
         if not blocks:
             raise ScheduleError(f"stage {index} has no blocks")
@@ -85,18 +95,26 @@ class Stage:
         self.weights = list(cell.trainable_params())
         self.params: dict[int, ms.Parameter] = {id(p): p for p in self.weights}
         self.verified = False  # the stored dW's one-time check against ms.grad ran on this stage
-        passes = explicit_passes_of(self.blocks) if dw in ("auto", "explicit") else None
-        if dw == "explicit" and passes is None:
+        flags = tuple(bool(recompute) for _ in self.blocks) if isinstance(recompute, bool) else tuple(recompute)
+        if len(flags) != len(self.blocks) or not all(isinstance(f, (bool, np.bool_)) for f in flags):
+            raise ScheduleError(f"stage {index}: recompute={recompute!r} is not a bool or one bool per block")
+        hooked = hooked_for_recompute(self.blocks)
+        use = dw == "explicit" or (dw == "auto" and has_explicit_passes(self.blocks) and not hooked)
+        if dw == "explicit" and not has_explicit_passes(self.blocks):
             names = [type(b).__name__ for b in self.blocks if not callable(getattr(b, "explicit_passes", None))]
             raise ScheduleError(f"stage {index}: dw='explicit' needs explicit_passes() on every block, not on {names}")
-        if recompute and passes is None:
-            raise ScheduleError(f"stage {index}: recompute=True needs the blocks' explicit passes (dw='explicit')")
-        if passes is not None:
-            if recompute not in explicit:
-                explicit[recompute] = ExplicitPasses(self, passes, recompute)
-            self.backward = explicit[recompute]
-            self.backward.stage = self
-            self.backward.acc = None
+        if dw == "explicit" and hooked:
+            raise ScheduleError(
+                f"stage {index}: {hooked} carry saved-tensor hooks (ms-recompute in PyNative), which explicit "
+                "passes would skip: take the plan off and pass recompute= instead"
+            )
+        if any(flags) and not use:
+            raise ScheduleError(f"stage {index}: recompute= needs the blocks' explicit passes (dw='explicit')")
+        if use:
+            if flags not in explicit:
+                passes = [b.explicit_passes() for b in self.blocks]
+                explicit[flags] = (_PassesCell(passes, last, flags), {})
+            self.backward = ExplicitPasses(self, *explicit[flags])
         elif dw == "stored" or (dw == "auto" and not jit):
             self.backward = self._stored(cell, fns)
         else:
@@ -105,7 +123,7 @@ class Stage:
                 fns.pop("checked", None)
             self.backward = RecomputeGrads(self, cell, fns)
         self.dw = self.backward.name
-        self.recompute = recompute
+        self.recompute = flags
         self._saved: dict[int, _Saved] = {}
 
     def _stored(self, cell, fns):
@@ -168,6 +186,22 @@ class Stage:
     def set_grads(self, grads: dict[int, np.ndarray]) -> None:
         """Replace the accumulated gradients (``{}`` zeroes them)."""
         self.backward.set_grads(grads)
+
+    def held_bytes(self) -> int:
+        """Bytes of the tensors this stage holds for its in-flight microbatches (inputs, the
+        values F kept, the pairs B kept); a tensor held twice counts once."""
+        seen: dict[int, int] = {}
+
+        def walk(x: Any) -> None:
+            if isinstance(x, (tuple, list)):
+                for y in x:
+                    walk(y)
+            elif hasattr(x, "nbytes") and hasattr(x, "shape"):
+                seen[id(x)] = int(x.nbytes)
+
+        for saved in self._saved.values():
+            walk((saved.x, saved.labels, saved.values, saved.pairs))
+        return sum(seen.values())
 
     @property
     def in_flight(self) -> int:

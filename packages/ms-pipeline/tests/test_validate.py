@@ -19,9 +19,10 @@ NAMES = ["gpipe", "1f1b", "interleaved", "zbh1", "zbv", "zbv-adaptive"]
 @pytest.mark.parametrize("p,m", SIZES, ids=[f"p{p}m{m}" for p, m in SIZES])
 def test_every_builder_is_valid(name, p, m):
     schedule = mp.build(name, p, m)
-    lowered = mp.validate(schedule)
+    assert mp.validate(schedule) is schedule  # validation checks and never lowers
+    lowered = mp.lower(schedule)
     assert lowered.is_lowered == (p > 1)
-    mp.validate(lowered)  # a lowered schedule validates too
+    assert mp.validate(lowered) is lowered  # a lowered schedule validates too, its transfers stepped
 
 
 @settings(max_examples=60, deadline=None)
@@ -174,3 +175,19 @@ def test_format_grid_windows_around_the_error():
     assert text.splitlines()[0].startswith("step  rank 0")
     assert "  ..." in text and "<-- ERROR HERE" in text
     assert len(text.splitlines()) < 20
+
+
+def test_one_function_names_a_message_for_lowering_and_runtime():
+    """A send and the receive that waits for it name the same Message; its tag is unique per step."""
+    from ms_pipeline.messages import Message, message_of
+
+    lowered = mp.lower(mp.zero_bubble_v(2, 4))
+    sends = [a for r in lowered.actions for a in r if a.kind in (Kind.SEND_F, Kind.SEND_B)]
+    recvs = [a for r in lowered.actions for a in r if a.kind in (Kind.RECV_F, Kind.RECV_B)]
+    assert sorted(map(message_of, sends)) == sorted(map(message_of, recvs)) and sends
+    tags = {message_of(a).tag(4) for a in sends}
+    assert len(tags) == len(sends)
+    msg = message_of(Action(2, Kind.RECV_B, 3))
+    assert msg == Message(Kind.B, 3, 3) and msg.receiver == 2 and str(msg) == "3SEND_B3"
+    with pytest.raises(ValueError, match="not a send or a receive"):
+        message_of(Action(0, Kind.F, 0))

@@ -18,7 +18,9 @@ from collections import Counter
 
 from .deps import needs
 from .errors import ScheduleError
+from .grid import format_grid
 from .ir import Action, Kind, Schedule
+from .messages import message_of
 
 
 def _comms(part: Action, schedule: Schedule) -> tuple[list[Action], list[Action]]:
@@ -56,17 +58,6 @@ def lower(schedule: Schedule) -> Schedule:
     return Schedule(schedule.name, schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank, ranks)
 
 
-def _message(action: Action) -> tuple[Kind, int, int]:
-    """The (direction, sending stage, microbatch) a send posts or a receive waits for."""
-    if action.kind is Kind.SEND_F:
-        return Kind.F, action.stage, action.microbatch
-    if action.kind is Kind.SEND_B:
-        return Kind.B, action.stage, action.microbatch
-    if action.kind is Kind.RECV_F:
-        return Kind.F, action.stage - 1, action.microbatch
-    return Kind.B, action.stage + 1, action.microbatch
-
-
 def _can_run(action: Action, rank: int, schedule: Schedule, done: set, posted: set, received: set) -> str | None:
     """None if ``action`` can run now, else what it waits for."""
     if action.kind in (Kind.SEND_F, Kind.SEND_B):
@@ -76,8 +67,8 @@ def _can_run(action: Action, rank: int, schedule: Schedule, done: set, posted: s
             return f"{names} on this rank (a send needs its data)"
         return None
     if action.kind in (Kind.RECV_F, Kind.RECV_B):
-        msg = _message(action)
-        return None if posted[msg] > 0 else f"the matching send {msg[1]}SEND_{msg[0].value}{msg[2]}"
+        msg = message_of(action)
+        return None if posted[msg] > 0 else f"the matching send {msg}"
     own = {(p.stage, p.kind, p.microbatch) for p in action.computes()}
     for part in action.computes():
         for stage, mb, kinds in needs(part, schedule.num_stages):
@@ -113,10 +104,10 @@ def step_simulate(schedule: Schedule) -> list[list[Action | None]]:
             row[r] = action
             pos[r] += 1
             if action.kind in (Kind.SEND_F, Kind.SEND_B):
-                new_posts.append(_message(action))
+                new_posts.append(message_of(action))
             elif action.kind in (Kind.RECV_F, Kind.RECV_B):
                 received.add((action.kind, action.stage, action.microbatch))
-                posted[_message(action)] -= 1
+                posted[message_of(action)] -= 1
             for part in action.computes():
                 done.add((part.stage, part.kind, part.microbatch))
         if all(a is None for a in row):
@@ -125,14 +116,11 @@ def step_simulate(schedule: Schedule) -> list[list[Action | None]]:
         grid.append(row)
     lost = sorted((m for m, n in posted.items() if n > 0), key=lambda t: (t[1], t[2], t[0].value))
     if lost:
-        direction, stage, mb = lost[0]
-        raise ScheduleError(f"{stage}SEND_{direction.value}{mb} is sent but never received ({len(lost)} such sends)")
+        raise ScheduleError(f"{lost[0]} is sent but never received ({len(lost)} such sends)")
     return grid
 
 
 def _deadlock(schedule: Schedule, waits: dict) -> ScheduleError:
-    from .validate import format_grid  # the grid printer lives with the validator
-
     lines = [f"deadlock: no rank can move in schedule {schedule.name}"]
     for r, (step, action, why) in sorted(waits.items()):
         lines.append(f"  rank {r} step {step}: {action} waits for {why}")

@@ -10,42 +10,9 @@ from __future__ import annotations
 
 from .deps import locate, needs, play
 from .errors import ScheduleError
+from .grid import format_grid
 from .ir import BACKWARD_KINDS, Kind, Schedule
-from .lower import lower, step_simulate
-
-_WINDOW = 6  # grid rows shown on each side of a marked step
-
-
-def format_grid(schedule: Schedule, marks: set[tuple[int, int]] = frozenset(), window: int | None = _WINDOW) -> str:
-    """Steps as rows, ranks as columns; cells in ``marks`` ((rank, step)) are flagged ``>>``.
-    With marks, only ``window`` rows around them are shown."""
-    steps = max((len(a) for a in schedule.actions), default=0)
-    rows = range(steps)
-    if marks and window is not None:
-        lo = max(0, min(s for _, s in marks) - window)
-        hi = min(steps, max(s for _, s in marks) + window + 1)
-        rows = range(lo, hi)
-
-    def cell(r: int, s: int) -> str:
-        text = str(schedule.actions[r][s]) if s < len(schedule.actions[r]) else ""
-        return (">>" if (r, s) in marks else "") + text
-
-    width = max(
-        [len(f"rank {r}") for r in range(schedule.num_ranks)]
-        + [len(cell(r, s)) for s in rows for r in range(schedule.num_ranks)]
-    )
-    header = "step  " + "  ".join(f"rank {r}".ljust(width) for r in range(schedule.num_ranks))
-    lines = [header]
-    if rows.start > 0:
-        lines.append("  ...")
-    for s in rows:
-        row = f"{s:>4}  " + "  ".join(cell(r, s).ljust(width) for r in range(schedule.num_ranks))
-        if any((r, s) in marks for r in range(schedule.num_ranks)):
-            row = row.rstrip() + "  <-- ERROR HERE"
-        lines.append(row.rstrip())
-    if rows.stop < steps:
-        lines.append("  ...")
-    return "\n".join(lines)
+from .lower import step_simulate
 
 
 def _fail(schedule: Schedule, message: str, marks: set[tuple[int, int]]) -> ScheduleError:
@@ -137,17 +104,21 @@ def _check_progress(schedule: Schedule) -> None:
 
 
 def validate(schedule: Schedule) -> Schedule:
-    """Check ``schedule`` (lowered or not); return its lowering. Raises ScheduleError naming the
-    first broken action, with a step x rank grid that marks it."""
+    """Check ``schedule`` and return it unchanged; raises ScheduleError naming the first broken
+    action, with a step x rank grid that marks it. Its computations are checked (placement,
+    counts, local order, progress); a lowered schedule's sends and receives are also run in the
+    step simulation. Validation never lowers: ``validate(lower(schedule))`` checks the lists a
+    runtime executes (:func:`~ms_pipeline.lower.lower` inserts transfers only where the computations
+    need them, so a schedule whose computations pass cannot fail on its lowering's)."""
     compute = schedule.compute_only()
     _check_placement(schedule)
     _check_pairs(compute)
     _check_counts(compute)
     _check_local_order(compute)
     _check_progress(compute)
-    lowered = lower(schedule)
-    step_simulate(lowered)
-    return lowered
+    if schedule.is_lowered:
+        step_simulate(schedule)
+    return schedule
 
 
 def is_valid(schedule: Schedule) -> bool:
@@ -159,4 +130,4 @@ def is_valid(schedule: Schedule) -> bool:
     return True
 
 
-__all__ = ["format_grid", "is_valid", "validate"]
+__all__ = ["format_grid", "is_valid", "validate"]  # format_grid lives in .grid; kept here for callers

@@ -30,6 +30,8 @@ import numpy as np
 
 from ..errors import ScheduleError
 from ..ir import Action, Kind, Schedule
+from ..lower import lower
+from ..messages import Message, message_of
 from ..simulate import Event
 from ..validate import validate
 from .stage import Stage
@@ -82,7 +84,7 @@ class PipelineRuntime:
                 f"schedule {schedule.name} needs {schedule.num_ranks} ranks, the group has {group.size}"
             )
         self.schedule = schedule
-        self.actions = validate(schedule).actions[group.rank]  # lowered: with sends and receives
+        self.actions = validate(lower(schedule)).actions[group.rank]  # with sends and receives
         self.group = group
         self.rank = group.rank
         mine = schedule.stages_of(self.rank)
@@ -106,21 +108,12 @@ class PipelineRuntime:
         self._computes = [i for i, a in enumerate(self.actions) if a.is_compute]
 
     # ------------------------------------------------------------ messages
-    def _tag(self, direction: Kind, sender: int, mb: int) -> int:
-        return (sender * self.schedule.num_microbatches + mb) * 2 + (0 if direction is Kind.F else 1)
-
-    def _source(self, action: Action) -> tuple[Kind, int]:
-        """(direction, sending stage) of the message a RECV waits for."""
-        if action.kind is Kind.RECV_F:
-            return Kind.F, action.stage - 1
-        return Kind.B, action.stage + 1
-
     def _post(self, action: Action) -> None:
-        direction, sender = self._source(action)
-        shape = self._shape(sender if direction is Kind.F else action.stage)
+        msg = message_of(action)
+        shape = self._shape(msg.sender if msg.direction is Kind.F else action.stage)
         buf = np.empty(tuple(shape), dtype=self.dtype)
-        src = self.schedule.stage_to_rank[sender]
-        work = self.group.irecv(buf, src, tag=self._tag(direction, sender, action.microbatch))
+        src = self.schedule.stage_to_rank[msg.sender]
+        work = self.group.irecv(buf, src, tag=msg.tag(self.schedule.num_microbatches))
         self._posted[action] = (buf, work)
 
     def _prefetch(self, i: int) -> None:
@@ -141,8 +134,9 @@ class PipelineRuntime:
                 f"stage {stage} microbatch {mb}: the {'activation' if direction is Kind.F else 'gradient'} has shape"
                 f" {array.shape}, but activation_shape says {expected}"
             )
-        dst = self.schedule.stage_to_rank[stage + 1 if direction is Kind.F else stage - 1]
-        work = self.group.isend(array, dst, tag=self._tag(direction, stage, mb))
+        msg = Message(direction, stage, mb)
+        dst = self.schedule.stage_to_rank[msg.receiver]
+        work = self.group.isend(array, dst, tag=msg.tag(self.schedule.num_microbatches))
         self._sends.append((work, array))  # the buffer must outlive the transfer
 
     def _recv(self, action: Action) -> None:
@@ -152,8 +146,7 @@ class PipelineRuntime:
         start = time.time()
         work.wait()
         self._events.append(Event(self.rank, action, start, time.time()))
-        direction, _ = self._source(action)
-        self._inbox[direction, action.stage, action.microbatch] = ms.Tensor.from_numpy(buf)
+        self._inbox[message_of(action).direction, action.stage, action.microbatch] = ms.Tensor.from_numpy(buf)
 
     # ------------------------------------------------------------ computations
     def _input(self, s: int, mb: int) -> Any:

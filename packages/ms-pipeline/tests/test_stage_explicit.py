@@ -122,13 +122,16 @@ def test_misuse_is_refused_by_name(blocks):
 
 def test_cells_with_recompute_hooks_keep_the_construct_path(blocks):
     """ms-recompute's PyNative hooks work through construct, which explicit passes never call:
-    'auto' takes the construct-based modes for such blocks and 'explicit' says why it cannot."""
+    'auto' takes the construct-based modes for such blocks and 'explicit' says why it cannot. In
+    PyNative 'auto' runs the modules as Cells (the debug path: hooks and dumps see them)."""
     layer = blocks[1].layer
     layer.register_saved_tensors_hooks(lambda t: t, lambda t: t)
     try:
-        assert Stage(1, blocks[1:3], first=False, last=False).dw == "stored"
+        assert Stage(1, blocks[1:3], first=False, last=False, jit=True).dw == "recompute"
         with pytest.raises(ScheduleError, match="saved-tensor hooks"):
             Stage(1, blocks[1:3], first=False, last=False, dw="explicit")
     finally:
         layer.register_saved_tensors_hooks(None, None)
-    assert Stage(1, blocks[1:3], first=False, last=False).dw == "explicit"
+    assert Stage(1, blocks[1:3], first=False, last=False, jit=True).dw == "explicit"
+    assert Stage(1, blocks[1:3], first=False, last=False).dw == "stored"
+    assert Stage(1, blocks[1:3], first=False, last=False, dw="explicit").dw == "explicit"  # eager passes

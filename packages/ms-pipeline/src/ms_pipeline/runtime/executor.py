@@ -62,7 +62,7 @@ class PipelineRuntime:
     says how the backward is computed (see :class:`Stage`): "explicit" runs the blocks' own passes
     (B without a forward re-run, W from the kept pairs), "stored" queues each linear layer's input
     and output gradient in B and multiplies them in W (PyNative), "recompute" runs ``ms.grad``
-    twice; "auto" takes "explicit" where the blocks have explicit passes. ``recompute[s]`` (True or
+    twice; "auto" takes "explicit" under ``jit`` where the blocks have explicit passes. ``recompute[s]`` (True or
     one flag per block of stage s) makes those blocks keep only their input from F to B."""
 
     def __init__(

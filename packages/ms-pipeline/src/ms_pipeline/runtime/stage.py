@@ -12,9 +12,10 @@ computes (``dw=``):
 * ``"stored"`` (PyNative only): linear layers' (x, g) queued by hooks in B, multiplied in W;
 * ``"recompute"``: B and W each an ``ms.grad`` that re-runs the stage's forward.
 
-``"auto"`` takes "explicit" when every block has explicit passes, else "stored" in PyNative and
-"recompute" under ``jit``; blocks whose cells carry ms-recompute's saved-tensor hooks (PyNative
-recompute) keep the construct-based modes, since explicit passes never call ``construct``.
+``"auto"`` takes "explicit" under ``jit`` when every block has explicit passes, else "recompute";
+in PyNative (the debug path, where every module runs as a Cell, so hooks and dumps see it) it
+takes "stored". Blocks whose cells carry ms-recompute's saved-tensor hooks (PyNative recompute)
+keep the construct-based modes, since explicit passes never call ``construct``.
 ``recompute=`` (explicit passes only; True for every block, or one flag per block) keeps only a
 block's input between F and B and runs its forward again right before its backward, inside B's
 compiled graph: activation recompute under ``jit``.
@@ -99,7 +100,7 @@ class Stage:
         if len(flags) != len(self.blocks) or not all(isinstance(f, (bool, np.bool_)) for f in flags):
             raise ScheduleError(f"stage {index}: recompute={recompute!r} is not a bool or one bool per block")
         hooked = hooked_for_recompute(self.blocks)
-        use = dw == "explicit" or (dw == "auto" and has_explicit_passes(self.blocks) and not hooked)
+        use = dw == "explicit" or (dw == "auto" and jit and has_explicit_passes(self.blocks) and not hooked)
         if dw == "explicit" and not has_explicit_passes(self.blocks):
             names = [type(b).__name__ for b in self.blocks if not callable(getattr(b, "explicit_passes", None))]
             raise ScheduleError(f"stage {index}: dw='explicit' needs explicit_passes() on every block, not on {names}")

@@ -9,7 +9,9 @@ dominates, trained for a few steps by four runtimes on the same 2 gloo ranks x 1
 alternated so that all see the same machine:
 
 * ms-pipeline 1F1B and ZBV, stages compiled with ``mindspore.jit`` on the models' explicit passes
-  (F keeps what B needs, B never re-runs the forward, W is the kept pairs' GEMMs, BW both);
+  (F keeps what B needs, B never re-runs the forward, W is the kept pairs' GEMMs, BW both), and
+  "zbv+fused": ZBV with each B that its own W directly follows run as one BW
+  (``ms_pipeline.fuse_adjacent_backward``; the W's filling the cool-down stay apart);
 * PyTorch's ``Schedule1F1B`` and ``ScheduleZBVZeroBubble`` on the same model in torch (eager, its
   own dI/dW split), same ranks, threads and cut.
 
@@ -36,7 +38,7 @@ import numpy as np
 from _common import machine_info, print_table
 
 RANKS = 2
-MS = ("1f1b", "zbv")
+MS = ("1f1b", "zbv", "zbv+fused")
 TORCH = ("torch 1f1b", "torch zbv")
 
 
@@ -55,6 +57,16 @@ def _config(args):
         max_position_embeddings=max(256, args.seq),
         tie_word_embeddings=False,
     )
+
+
+def _schedule(name: str, ranks: int, m: int):
+    """A built schedule; "zbv+fused" is ZeroBubbleV with each B its own W directly follows run as
+    one fused BW (ms_pipeline.fuse_adjacent_backward), the bubble-filling W's left apart."""
+    import ms_pipeline as mp
+
+    if name.endswith("+fused"):
+        return mp.fuse_adjacent_backward(mp.build(name.removesuffix("+fused"), ranks, m))
+    return mp.build(name, ranks, m)
 
 
 def layer_counts(layers: int, stages: int) -> list[int]:
@@ -116,7 +128,7 @@ def _held_units(runtime, shape, vocab) -> dict:
         y = stage.forward(99, x, labels)
         after_f = stage.held_bytes()
         g = ms.Tensor(0.125, ms.float32) if stage.last else ms.Tensor(np.ones(y.shape, np.float32))
-        if stage.dw == "explicit" and runtime.schedule.name.lower().startswith("1f1b"):
+        if stage.dw == "explicit" and "1f1b" in runtime.schedule.name.lower():
             stage.backward_full(99, g)
             after_b = 0
         else:
@@ -150,7 +162,7 @@ def _rank(group, args):
     inputs, labels = [ms.Tensor(x[:, :-1]) for x in ids], [ms.Tensor(x[:, 1:]) for x in ids]
     runtimes, held, compile_s = {}, {}, {}
     for name in MS:
-        schedule = mp.build(name, RANKS, args.microbatches)
+        schedule = _schedule(name, RANKS, args.microbatches)
         placement = mp.LayerPlacement.from_counts(block_counts(args.layers, schedule.num_stages))
         staged = mp.runtime.split_blocks(blocks, placement)
         mine = {s: staged[s] for s in schedule.stages_of(group.rank)}
@@ -207,8 +219,9 @@ def _ping_pong(group, shape, rounds=20):
     return statistics.median(trips) / 2
 
 
-def _stage_costs(schedule, events):
-    """Median F, B, W (BW into B for 1F1B) per stage over the measured steps."""
+def _stage_costs(schedule, events, fallback=None):
+    """Median F, B, W and BW per stage over the measured steps: {"f", "b", "w", "bw"} lists. A
+    stage that ran no separate B (or W) takes it from ``fallback`` (the unfused run's costs)."""
     from ms_pipeline import Kind
 
     durations: dict = {}
@@ -218,10 +231,13 @@ def _stage_costs(schedule, events):
                 durations.setdefault((part.stage, part.kind), []).append(e.end - e.start)
     med = {k: statistics.median(v) for k, v in durations.items()}
     stages = range(schedule.num_stages)
-    f = [med[(s, Kind.F)] for s in stages]
-    if (0, Kind.BW) in med:
-        return f, [med[(s, Kind.BW)] for s in stages], [0.0] * schedule.num_stages
-    return f, [med[(s, Kind.B)] for s in stages], [med[(s, Kind.W)] for s in stages]
+    out = {"f": [med[(s, Kind.F)] for s in stages]}
+    for key, kind in (("b", Kind.B), ("w", Kind.W), ("bw", Kind.BW)):
+        values = [med.get((s, kind)) for s in stages]
+        if any(v is None for v in values) and fallback is not None and key in fallback:
+            values = [fallback[key][s] if v is None else v for s, v in zip(stages, values)]
+        out[key] = values if all(v is not None for v in values) else None
+    return out
 
 
 def _held(per_rank, num_stages):
@@ -232,23 +248,27 @@ def _held(per_rank, num_stages):
     return [merged[s] for s in range(num_stages)]
 
 
-def _ms_row(name, args, per_rank):
+def _ms_row(name, args, per_rank, fallback=None):
     import ms_pipeline as mp
 
-    schedule = mp.build(name, RANKS, args.microbatches)
+    schedule = _schedule(name, RANKS, args.microbatches)
     steps = len(per_rank[0]["times"])
     step_times = [max(r["times"][i] for r in per_rank) for i in range(steps)]
     events = [[e for r in per_rank for e in r["events"][i] if e.action.is_compute] for i in range(steps)]
     measured = [mp.Bubbles.of(ev, RANKS) for ev in events]
-    f, b, w = _stage_costs(schedule, events)
+    c = _stage_costs(schedule, events, fallback)
+    if c["b"] is None:  # 1F1B: every backward is a BW
+        f, b, w, bw = c["f"], c["bw"], [0.0] * schedule.num_stages, None
+    else:
+        f, b, w, bw = c["f"], c["b"], c["w"], c["bw"]
     held = _held(per_rank, schedule.num_stages)
     mem_f = [h[0] / 2**20 for h in held]
     mem_b = [(h[1] - h[0]) / 2**20 for h in held]
     mem_w = [-h[1] / 2**20 for h in held]
-    costs = mp.CostModel(f=f, b=b, w=w, comm=per_rank[0]["latency"], mem_f=mem_f, mem_b=mem_b, mem_w=mem_w)
+    costs = mp.CostModel(f=f, b=b, w=w, bw=bw, comm=per_rank[0]["latency"], mem_f=mem_f, mem_b=mem_b, mem_w=mem_w)
     predicted = mp.simulate(schedule, costs)
     step = statistics.median(step_times)
-    return {
+    row = {
         "schedule": name,
         "ranks": RANKS,
         "microbatches": args.microbatches,
@@ -261,11 +281,13 @@ def _ms_row(name, args, per_rank):
         "f_ms": 1e3 * statistics.fmean(f),
         "b_ms": 1e3 * statistics.fmean(b),
         "w_ms": 1e3 * statistics.fmean(w),
+        "bw_ms": 1e3 * statistics.fmean(bw) if bw else None,
         "comm_ms": 1e3 * per_rank[0]["latency"],
         "peak_rss_mb": max(statistics.median(r["rss"]) for r in per_rank) / 2**20,
         "predicted_held_mb": max(predicted.peak_activation),
         "compile_s": max(r["compile_s"] for r in per_rank),
-    }, (f, b, w)
+    }
+    return row, c
 
 
 def _torch_row(name, args, per_rank):
@@ -283,32 +305,41 @@ def _torch_row(name, args, per_rank):
 def _simulated(args, costs, ranks_list=(4, 8)):
     """Rows for more ranks from the costs measured at p = 2, weak scaling (every stage keeps the
     layers of a measured stage; the embedding and head stay on the end stages). A ZBV middle stage
-    costs what the measured layers-only stage cost; a 1F1B middle stage what the measured 1F1B
-    stage 0 cost less the embedding's share (the difference between ZBV's stage 0 and its
-    layers-only stage)."""
+    costs what the measured layers-only stage cost (stage 1); a 1F1B middle stage what the
+    measured 1F1B stage 0 cost less the embedding's share (the difference between ZBV's stage 0
+    and its layers-only stage)."""
     import ms_pipeline as mp
 
-    fz, bz, wz = costs["zbv"]
-    f1, b1, _ = costs["1f1b"]
-    mid = 1  # ZBV stage 1 holds layers only
-    embed_f, embed_b = fz[0] - fz[mid], (bz[0] + wz[0]) - (bz[mid] + wz[mid])
-    per_stage = {
-        "zbv": lambda n: ([fz[0]] + [fz[mid]] * (n - 2) + [fz[-1]], [bz[0]] + [bz[mid]] * (n - 2) + [bz[-1]],
-                          [wz[0]] + [wz[mid]] * (n - 2) + [wz[-1]]),
-        "1f1b": lambda n: ([f1[0]] + [f1[0] - embed_f] * (n - 2) + [f1[-1]],
-                           [b1[0]] + [b1[0] - embed_b] * (n - 2) + [b1[-1]], [0.0] * n),
-    }  # fmt: skip
+    z, one, fz = costs["zbv"], costs["1f1b"], costs["zbv+fused"]
+    mid = 1
+    embed_f = z["f"][0] - z["f"][mid]
+    embed_b = (z["b"][0] + z["w"][0]) - (z["b"][mid] + z["w"][mid])
+
+    def ends_and_middle(values, n, middle=None):
+        return [values[0]] + [values[mid] if middle is None else middle] * (n - 2) + [values[-1]]
+
     rows = []
     for ranks in ranks_list:
         m = max(args.microbatches, 2 * ranks)
         out = {}
         for name in MS:
-            schedule = mp.build(name, ranks, m)
-            f, b, w = per_stage[name](schedule.num_stages)
-            out[name] = mp.simulate(schedule, mp.CostModel(f=f, b=b, w=w, comm=0.0)).makespan
+            schedule = _schedule(name, ranks, m)
+            n = schedule.num_stages
+            if name == "1f1b":
+                f = ends_and_middle(one["f"], n, one["f"][0] - embed_f)
+                b = ends_and_middle(one["bw"], n, one["bw"][0] - embed_b)
+                cm = mp.CostModel(f=f, b=b, w=0.0, comm=0.0)
+            else:
+                src = fz if name.endswith("+fused") else z
+                bw = ends_and_middle(src["bw"], n) if src["bw"] else None
+                cm = mp.CostModel(
+                    f=ends_and_middle(src["f"], n), b=ends_and_middle(src["b"], n),
+                    w=ends_and_middle(src["w"], n), bw=bw, comm=0.0,
+                )  # fmt: skip
+            out[name] = mp.simulate(schedule, cm).makespan
             row = {"schedule": f"{name} (simulated)", "ranks": ranks, "microbatches": m, "predicted_s": out[name]}
+            row["/1f1b"] = out[name] / out["1f1b"]
             rows.append(row)
-        rows[-1]["zbv/1f1b"] = out["zbv"] / out["1f1b"]
     return rows
 
 
@@ -342,14 +373,15 @@ def main(argv=None) -> int:
     print(f"ran in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     rows, costs = [], {}
     for name in MS:
-        row, costs[name] = _ms_row(name, args, [r[name] for r in results])
+        row, costs[name] = _ms_row(name, args, [r[name] for r in results], costs.get("zbv"))
         rows.append(row)
     rows += [_torch_row(name, args, [r[name] for r in results]) for name in TORCH]
     by = {r["schedule"]: r for r in rows}
     for r in rows:
         base = by["torch 1f1b" if r["schedule"].startswith("torch") else "1f1b"]
-        r["zbv/1f1b"] = r["step_s"] / base["step_s"]
-        r["over_torch"] = by[("torch " + r["schedule"]).replace("torch torch ", "torch ")]["step_s"] / r["step_s"]
+        r["/1f1b"] = r["step_s"] / base["step_s"]
+        peer = by.get("torch " + r["schedule"].removesuffix("+fused")) or by[r["schedule"]]
+        r["torch_step/step"] = peer["step_s"] / r["step_s"]
     simulated = _simulated(args, costs)
     if args.draw:
         _draw(args.draw, results, args)
@@ -363,6 +395,7 @@ def main(argv=None) -> int:
     machine = machine_info("mindspore", "torch", ranks=RANKS, threads_per_rank=1, model=model)
     summary = {
         "zbv_over_1f1b": by["zbv"]["step_s"] / by["1f1b"]["step_s"],
+        "zbv_fused_over_1f1b": by["zbv+fused"]["step_s"] / by["1f1b"]["step_s"],
         "torch_zbv_over_1f1b": by["torch zbv"]["step_s"] / by["torch 1f1b"]["step_s"],
         "simulator_error": max(r["simulator_error"] for r in rows if "simulator_error" in r),
         "ms_zbv_over_torch_zbv_step": by["zbv"]["step_s"] / by["torch zbv"]["step_s"],
@@ -397,11 +430,11 @@ def _draw(png_dir, results, args) -> None:
         events = [e for r in per_rank for e in r["events"][best]]
         t0 = min(e.start for e in events)
         events = [mp.Event(e.rank, e.action, 1e3 * (e.start - t0), 1e3 * (e.end - t0)) for e in events]
-        schedule = mp.build(name, RANKS, args.microbatches)
+        schedule = _schedule(name, RANKS, args.microbatches)
         bubbles = mp.Bubbles.of([e for e in events if e.action.is_compute], RANKS)
         title = f"{name}, measured, d={args.hidden}, m={args.microbatches}: {bubbles.makespan:.0f} ms"
         Path(png_dir).mkdir(parents=True, exist_ok=True)
-        path = Path(png_dir) / f"ms-pipeline-run-{name}.png"
+        path = Path(png_dir) / f"ms-pipeline-run-{name.replace('+', '-')}.png"
         draw_png(events, path, stage_to_rank=schedule.stage_to_rank, title=title, xlabel="ms")
 
 

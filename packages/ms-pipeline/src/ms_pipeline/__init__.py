@@ -27,6 +27,7 @@ from .schedules import (
 )
 from .serialize import dumps, from_csv, load, loads, save, to_csv
 from .simulate import Bubbles, CostModel, Event, SimResult, peak_activation, simulate
+from .transforms import fuse_adjacent_backward
 from .validate import format_grid, is_valid, validate
 
 __version__ = "0.1.0"
@@ -49,6 +50,7 @@ __all__ = [
     "format_actions",
     "format_grid",
     "from_csv",
+    "fuse_adjacent_backward",
     "gpipe",
     "interleaved_1f1b",
     "is_valid",

@@ -41,9 +41,12 @@ class CostModel:
     f: PerStage = 1.0
     """Forward time (T_F)."""
     b: PerStage = 1.0
-    """Input-gradient time (T_B); a fused BW takes b + w."""
+    """Input-gradient time (T_B)."""
     w: PerStage = 1.0
     """Weight-gradient time (T_W)."""
+    bw: PerStage | None = None
+    """Fused backward time (T_BW); None: b + w. A runtime that computes dx and dW in one pass can
+    be cheaper than the two apart (one graph, the values still in cache)."""
     comm: float = 0.0
     """Latency of one transfer between two ranks (neighbouring stages on one rank pay nothing)."""
     mem_f: PerStage = 1.0
@@ -60,7 +63,7 @@ class CostModel:
             value = getattr(self, f.name)
             if isinstance(value, (list, tuple)):
                 object.__setattr__(self, f.name, tuple(float(v) for v in value))
-        for name in ("f", "b", "w", "comm"):
+        for name in ("f", "b", "w", "comm") + (("bw",) if self.bw is not None else ()):
             if any(v < 0 for v in self._values(name)):
                 raise ScheduleError(f"cost {name}={getattr(self, name)} must not be negative")
         if not 0.0 <= self.overlap <= 1.0:
@@ -99,7 +102,7 @@ class CostModel:
             Kind.F: lambda: self.at("f", s),
             Kind.B: lambda: self.at("b", s),
             Kind.W: lambda: self.at("w", s),
-            Kind.BW: lambda: self.at("b", s) + self.at("w", s),
+            Kind.BW: lambda: self.at("b", s) + self.at("w", s) if self.bw is None else self.at("bw", s),
         }[kind]()
 
     def memory(self, part: Action) -> float:
@@ -119,8 +122,10 @@ class CostModel:
         if chunks == 1:
             return self
         values = {}
-        for name in ("f", "b", "w", "mem_f", "mem_b", "mem_w"):
+        for name in ("f", "b", "w", "bw", "mem_f", "mem_b", "mem_w"):
             v = getattr(self, name)
+            if v is None:
+                continue
             if isinstance(v, tuple):
                 raise ScheduleError(f"cannot split per-stage costs ({name}={v}); give costs for every stage instead")
             values[name] = v / chunks

@@ -132,3 +132,27 @@ def build_batch(
         sample_rows=rows,
         spec_tokens=specs,
     )
+
+
+def select_requests(batch: StepBatch, idx: list[int]) -> tuple[StepBatch, np.ndarray]:
+    """The sub-batch of requests `idx` (flat rows renumbered from 0) and, for each of its rows, the
+    row of `batch` it came from. A step run part by part computes what it computes whole: requests
+    never read each other's cache slots within one step."""
+    starts = batch.query_start_loc
+    src = [np.arange(starts[i], starts[i + 1]) for i in idx]
+    flat = np.concatenate(src).astype(np.int64) if src else np.zeros(0, np.int64)
+    lens = [len(s) for s in src]
+    new_starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    rows = [[r - int(starts[i]) + int(new_starts[k]) for r in batch.sample_rows[i]] for k, i in enumerate(idx)]
+    sub = StepBatch(
+        req_ids=[batch.req_ids[i] for i in idx],
+        input_ids=batch.input_ids[flat],
+        positions=batch.positions[flat],
+        slot_mapping=batch.slot_mapping[flat],
+        block_tables=batch.block_tables[idx],
+        seq_lens=batch.seq_lens[idx],
+        query_start_loc=new_starts,
+        sample_rows=rows,
+        spec_tokens=[batch.spec_tokens[i] for i in idx],
+    )
+    return sub, flat

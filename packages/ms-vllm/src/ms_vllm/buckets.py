@@ -158,8 +158,9 @@ def plan_step(q_lens, seq_lens, n_sample_rows, config: BucketConfig) -> list[Par
         idx = single[k : k + biggest]
         bucket = config.decode_bucket(len(idx), int(seq_lens[idx].max()))
         parts.append(Part(idx, bucket, "" if bucket else f"context {int(seq_lens[idx].max())} > largest bucket"))
+    decodes = set(single)
     for i in range(len(q_lens)):
-        if i in single or q_lens[i] == 0:
+        if i in decodes or q_lens[i] == 0:
             continue
         if n_rows[i] > 1:
             parts.append(Part([i], None, "several sampled rows (draft verification)"))

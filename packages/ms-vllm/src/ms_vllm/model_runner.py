@@ -173,7 +173,7 @@ class MindSporeModelRunner:
             logits_indices=rows if rows.size else np.zeros(1, np.int32), return_hidden=True,
         )  # fmt: skip
         logits = logits.asnumpy()[: rows.size]
-        return logits.reshape(rows.size, -1), hidden
+        return logits, hidden
 
     def _in_parts(self, batch: StepBatch, need_hidden: bool):
         """The step as compiled parts (and eager ones for shapes outside the buckets)."""

@@ -3,7 +3,6 @@ and that padding writes only the scratch block."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from ms_vllm.buckets import Bucket, BucketConfig, BucketError, pad_part, plan_step

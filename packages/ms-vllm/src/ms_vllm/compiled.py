@@ -1,19 +1,30 @@
 """Compiled model steps: one `mindspore.jit` graph per shape bucket (buckets.py is the pure plan).
 
-The graph is ms-models' `CausalLM.paged_step` (the body of `forward_paged`) with the paged
-caches, Parameters written by `ops.scatter_nd_update`, captured by the closure, and the paged
-metadata passed as plain tensors: under jit only tensors and tuples of them stay typed
+The graph is ms-models' `CausalLM.paged_step` (the body of `forward_paged`) run by `PagedStep`, a
+Cell holding the model and the paged caches (Parameters written by `ops.scatter_nd_update`), with
+the paged metadata passed as plain tensors: under jit only tensors and tuples of them stay typed
 (docs/mindspore-cpu.md §12). MindSpore keys its compiled graphs by input shapes, so each bucket
 compiles once, at start-up (`warm_up`, with a progress bar) on an all-padding batch that writes
 only the scratch block; a later call of the same bucket reuses the graph.
+
+MindSpore's on-disk compile cache (MS_COMPILER_CACHE_ENABLE / MS_COMPILER_CACHE_PATH) is used when
+a cache directory is given ($MS_VLLM_COMPILE_CACHE or additional_config["compile"]["cache_dir"]):
+the graphs go to a sub-directory keyed by everything they depend on (model config, buckets, cache
+blocks, block size, versions), because MindSpore numbers cached graphs by compile order. With the
+caches held by a Cell the cached graphs gave the eager logits; a plain function that captured the
+caches in a closure loaded from the cache gave NaN logits (docs/mindspore-cpu.md §12).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 import time
 
 import numpy as np
+from mindspore import ParameterTuple, jit, nn
 
 from .batch import StepBatch
 from .buckets import Bucket, BucketConfig, pad_part
@@ -21,26 +32,64 @@ from .buckets import Bucket, BucketConfig, pad_part
 logger = logging.getLogger(__name__)
 
 
+class PagedStep(nn.Cell):
+    """model.paged_step over the caches it holds, compiled (one graph per input shape)."""
+
+    def __init__(self, model, kv_caches):
+        super().__init__()
+        self.lm = model
+        per_layer = [tuple(c) if isinstance(c, (tuple, list)) else (c,) for c in kv_caches]
+        self.per = len(per_layer[0])
+        self.n_layers = len(per_layer)
+        self.single = not isinstance(kv_caches[0], (tuple, list))
+        self.flat = ParameterTuple([p for layer in per_layer for p in layer])
+
+    @jit
+    def construct(self, input_ids, positions, logits_rows, write_index, write_rows, context_slots, query_rows,
+                  padded_rows, allowed):  # fmt: skip
+        if self.single:
+            caches = tuple(self.flat[i] for i in range(self.n_layers))
+        else:
+            caches = tuple(tuple(self.flat[i * self.per + j] for j in range(self.per)) for i in range(self.n_layers))
+        meta = (write_index, write_rows, context_slots, query_rows, padded_rows, allowed)
+        return self.lm.paged_step(input_ids, positions, caches, meta, logits_rows)
+
+
+def cache_key(model, config: BucketConfig, num_blocks: int, block_size: int) -> str:
+    """What the compiled graphs depend on, hashed (the compile-cache sub-directory)."""
+    import mindspore
+
+    from . import __version__
+
+    cfg = model.config
+    fields = cfg.to_dict() if hasattr(cfg, "to_dict") else vars(cfg)
+    blob = json.dumps(
+        [type(model).__name__, fields, config.buckets().__repr__(), num_blocks, block_size, mindspore.__version__,
+         __version__], sort_keys=True, default=str,
+    )  # fmt: skip
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def use_compile_cache(root: str, key: str) -> str:
+    """Point MindSpore's compile cache at root/key (made if missing); returns that directory."""
+    path = os.path.join(os.path.abspath(root), key)
+    os.makedirs(path, exist_ok=True)
+    os.environ["MS_COMPILER_CACHE_ENABLE"] = "1"
+    os.environ["MS_COMPILER_CACHE_PATH"] = path
+    return path
+
+
 class CompiledSteps:
     """The compiled paged step of one model and its caches, for every bucket of a BucketConfig."""
 
     def __init__(self, model, kv_caches, config: BucketConfig, block_size: int, scratch_block: int):
-        import mindspore as ms
-
         self.model = model
         self.config = config
         self.block_size = block_size
         self.scratch_block = scratch_block
         self.compile_s: dict[str, float] = {}
         """Seconds of the first (compiling) call of each bucket."""
-        caches = tuple(kv_caches)
-
-        def paged_graph(input_ids, positions, logits_rows, write_index, write_rows, context_slots, query_rows,
-                        padded_rows, allowed):  # fmt: skip
-            meta = (write_index, write_rows, context_slots, query_rows, padded_rows, allowed)
-            return model.paged_step(input_ids, positions, caches, meta, logits_rows)
-
-        self._graph = ms.jit(paged_graph)
+        self._graph = PagedStep(model, kv_caches)
 
     def run(self, batch: StepBatch, bucket: Bucket):
         """(logits of the part's sample rows [R_real, V], hidden [T_real, H]) of one part, compiled."""

@@ -131,9 +131,12 @@ class MindSporeModelRunner:
                 st.block_ids.extend(new_blocks[0])
 
     # ------------------------------------------------------------------ compilation
-    def compile(self, config: BucketConfig | None = None, progress: bool = True) -> dict[str, float]:
-        """Compile the buckets (default: BucketConfig.default for this engine) -> seconds per bucket."""
-        from .compiled import CompiledSteps
+    def compile(
+        self, config: BucketConfig | None = None, progress: bool = True, cache_dir: str | None = None
+    ) -> dict[str, float]:
+        """Compile the buckets (default: BucketConfig.default for this engine) -> seconds per bucket.
+        With `cache_dir`, MindSpore's compile cache keeps the graphs on disk for the next start."""
+        from .compiled import CompiledSteps, cache_key, use_compile_cache
 
         if self.kv_caches is None:
             raise RuntimeError("compile() needs the KV cache: call initialize_kv_cache first")
@@ -141,6 +144,9 @@ class MindSporeModelRunner:
             sched = getattr(self.vllm_config, "scheduler_config", None)
             max_seqs = int(getattr(sched, "max_num_seqs", 64) or 64)
             config = BucketConfig.default(max_seqs, self.max_model_len, self.block_size)
+        if cache_dir:
+            path = use_compile_cache(cache_dir, cache_key(self.model, config, self.num_blocks, self.block_size))
+            logger.info("ms-vllm: compile cache in %s", path)
         steps = CompiledSteps(self.model, self.kv_caches, config, self.block_size, self.num_blocks)
         times = steps.warm_up(progress)
         self.compiled = steps

@@ -22,6 +22,8 @@ logger = logging.getLogger(__name__)
 
 KV_CACHE_BYTES_ENV = "MS_VLLM_KV_CACHE_BYTES"
 DEFAULT_KV_CACHE_BYTES = 256 << 20
+COMPILE_CACHE_ENV = "MS_VLLM_COMPILE_CACHE"
+"""A directory for MindSpore's on-disk compile cache (off when unset)."""
 """KV cache size when neither kv_cache_memory_bytes nor $MS_VLLM_KV_CACHE_BYTES is given."""
 
 
@@ -158,9 +160,10 @@ class MindSporeWorker(WorkerBase):
         runner = self.runner
         sched = self.vllm_config.scheduler_config
         default = BucketConfig.default(int(sched.max_num_seqs), runner.max_model_len, runner.block_size)
-        spec = (getattr(self.vllm_config, "additional_config", None) or {}).get("compile") or {}
+        spec = dict((getattr(self.vllm_config, "additional_config", None) or {}).get("compile") or {})
+        cache_dir = spec.pop("cache_dir", None) or os.environ.get(COMPILE_CACHE_ENV)
         config = BucketConfig.from_dict(spec, default)
-        times = runner.compile(config, progress=self.rank == 0)
+        times = runner.compile(config, progress=self.rank == 0, cache_dir=cache_dir)
         return CompilationTimes(language_model=float(sum(times.values())), encoder=0.0)
 
     def get_supported_tasks(self):

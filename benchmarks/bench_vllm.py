@@ -2,7 +2,8 @@
 and the speedups of prefix caching, multi-step decoding and MTP, all measured side by side in one run.
 
     python benchmarks/bench_vllm.py [--quick] --out benchmarks/results/vllm.json
-    python benchmarks/bench_vllm.py --model tiny|mid --out F      (the offline comparison only)
+    python benchmarks/bench_vllm.py --model tiny|mid --out F      (the offline comparison; nox -s bench
+                                                                  writes results/vllm_tiny.json, vllm_mid.json)
 
 The offline comparison (_vllm_offline.py): 64 mixed-length requests through vllm.LLM with compiled
 steps against HF generate at its best batch size and thread count, and against the plugin's eager
@@ -195,12 +196,9 @@ def main() -> None:
     )
     prompts = prompts_for(4, 24, 0)
     rows = []
-    offline_results = {}
-    for name in (args.model,) if args.model else ("tiny", "mid"):
-        offline_results[name] = offline(name, root, repeats=1 if args.quick else 2)
-        rows += rows_of(offline_results[name])
     if args.model:
-        return write(args, rows, offline_results, args.model)
+        result = offline(args.model, root, repeats=1 if args.quick else 2)
+        return write(args, rows_of(result), {args.model: result}, args.model)
 
     # 1. plugin (eager) vs HF transformers generate, same model and prompts
     llm = vllm_engine(llama, enable_prefix_caching=False)
@@ -262,19 +260,27 @@ def main() -> None:
     # 5. quantization (no engine: logits and perplexity of the MindSpore models themselves)
     rows += quant_rows(small, root)
 
-    write(args, rows, offline_results, "mid")
+    write(args, rows, {}, None)
 
 
 def write(args, rows, offline_results, headline) -> None:
+    title = "ms-vllm (vLLM 0.33 + MindSpore CPU) vs HF transformers generate; serving-feature speedups"
+    if headline:
+        title = f"ms-vllm compiled, offline 64 mixed-length requests ({headline} llama) vs HF generate and eager"
     result = dict(
-        benchmark="vllm",
-        title="ms-vllm (vLLM 0.33 + MindSpore CPU) vs HF transformers generate; serving-feature speedups",
+        benchmark=f"vllm_{headline}" if headline else "vllm",
+        title=title,
         machine=machine_info("mindspore", "torch", "vllm", "transformers", quick=args.quick),
-        summary=offline_results[headline]["summary"],
-        summaries={k: v["summary"] for k, v in offline_results.items()},
         rows=rows,
-        offline=offline_results,
     )
+    if headline:
+        off = offline_results[headline]
+        result["note"] = f"Written by `benchmarks/bench_vllm.py --model {headline}` (the offline comparison)."
+        result["summary"] = off["summary"]
+        result["summary_rows"] = [off["summary"]]
+        result["compile_rows"] = [dict(bucket=k, compile_s=v) for k, v in off["compile_s"].items()]
+        result["hf_rows"] = off["hf"]
+        result["offline"] = off
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".tmp", "w") as f:
         json.dump(result, f, indent=2)

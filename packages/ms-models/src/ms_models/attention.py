@@ -82,11 +82,13 @@ class Attention(nn.Cell):
 
     def forward_paged(self, x, cos, sin, cache, meta: PagedMetadata):
         """Inference over a flat token batch: x [T, hidden]; cache = (k_cache, v_cache), each
-        [num_blocks, block_size, kv_heads, head_dim], updated in place with this batch's keys/values."""
+        [num_blocks, block_size, kv_heads, head_dim] (or slot-major [num_blocks * block_size, kv_heads,
+        head_dim]), updated in place with this batch's keys/values."""
         q, k, v = self._qkv(x, cos, sin)
         k_cache, v_cache = cache
-        write_cache(k_cache, k, meta)
-        write_cache(v_cache, v, meta)
-        k_ctx, v_ctx = gather_context(k_cache, meta), gather_context(v_cache, meta)
+        flat = k_cache.ndim == 3  # slot-major [slots, kv_heads, head_dim] (allocate_kv_caches(flat=True))
+        write_cache(k_cache, k, meta, flat)
+        write_cache(v_cache, v, meta, flat)
+        k_ctx, v_ctx = gather_context(k_cache, meta, flat), gather_context(v_cache, meta, flat)
         out = attend(to_padded(q, meta), k_ctx, v_ctx, allowed_mask(meta), self.scale)
         return self.o_proj(from_padded(out, meta))

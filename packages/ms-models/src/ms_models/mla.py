@@ -100,12 +100,13 @@ class MLAttention(nn.Cell):
         """Absorbed MLA over a flat token batch x [T, H]; the cache [blocks, block_size, rank + rope]
         is written in place."""
         q_nope, q_pe, latent, k_pe = self._project(x, cos, sin)
-        write_cache(cache, ops.cat((latent, k_pe[:, 0, :]), -1), meta)
+        flat = cache.ndim == 2  # slot-major [slots, rank + rope] (allocate_kv_caches(flat=True))
+        write_cache(cache, ops.cat((latent, k_pe[:, 0, :]), -1), meta, flat)
         w_uk, w_uv = self._absorbed_weights()
         # q_nope . (W_UK c) = (W_UK^T q_nope) . c: move the query into latent space, per head.
         q_latent = ops.matmul(q_nope.transpose(1, 0, 2), w_uk).transpose(1, 0, 2)  # [T, H, rank]
         q = to_padded(ops.cat((q_latent, q_pe), -1), meta)  # [N, Q, H, rank + rope]
-        ctx = gather_context(cache, meta).expand_dims(2)  # [N, C, 1, rank + rope]: one shared kv head
+        ctx = gather_context(cache, meta, flat).expand_dims(2)  # [N, C, 1, rank + rope]: one shared kv head
         out = attend(q, ctx, ctx[..., : self.rank], allowed_mask(meta), self.scale)  # [N, Q, H * rank]
         out = from_padded(out, meta).reshape(-1, self.num_heads, self.rank)
         # sum_j p_j (W_UV c_j) = W_UV (sum_j p_j c_j): expand the attended latent to values.

@@ -58,6 +58,8 @@ class PagedMetadata:
     """[T] index into the flattened [N * Q] padded queries of each flat-batch token."""
     allowed: Tensor
     """[N, 1, Q, C] bool: query i of sequence s may attend context position j."""
+    write_slots: Tensor
+    """[W] flat slot (block * block_size + offset) of each token written."""
 
     def tensors(self) -> tuple[Tensor, ...]:
         """The index tensors in PAGED_TENSORS order (the inputs of a compiled step)."""
@@ -126,10 +128,11 @@ class PagedMetadata:
             query_rows=Tensor(query_rows.astype(np.int32)),
             padded_rows=Tensor(padded_rows.astype(np.int32)),
             allowed=Tensor(allowed[:, None]),
+            write_slots=Tensor(slots[keep].astype(np.int32)),
         )
 
 
-PAGED_TENSORS = ("write_index", "write_rows", "context_slots", "query_rows", "padded_rows", "allowed")
+PAGED_TENSORS = ("write_index", "write_rows", "context_slots", "query_rows", "padded_rows", "allowed", "write_slots")
 """The tensor fields of PagedMetadata, in the order compiled callers pass them."""
 
 
@@ -152,23 +155,33 @@ def allowed_mask(meta) -> Tensor:
 # untyped, and every later op of the graph with it (its float32 results were typed float64).
 
 
-def write_cache(cache: Tensor, values: Tensor, meta: PagedMetadata):
+def write_cache(cache: Tensor, values: Tensor, meta: PagedMetadata, flat: bool = False):
     """cache[block, offset] = values[row] for every written token, in place (functionally for a
-    Parameter, so that it also persists from a compiled graph). Returns the write, for ops.depend."""
-    index, write_rows = _field(meta, 0), _field(meta, 1)
+    Parameter, so that it also persists from a compiled graph). `flat`: the cache is slot-major,
+    [num_blocks * block_size, ...] (see allocate_kv_caches). Returns the write, for ops.depend."""
+    write_rows = _field(meta, 1)
     if not write_rows.shape[0]:
         return cache
     rows = ops.gather(values, write_rows, 0)
+    if flat:
+        slots = _field(meta, 6)
+        if isinstance(cache, Parameter):
+            return ops.scatter_update(cache, slots, rows.astype(cache.dtype))
+        cache[slots] = rows.astype(cache.dtype)
+        return cache
+    index = _field(meta, 0)
     if isinstance(cache, Parameter):
         return ops.scatter_nd_update(cache, index, rows.astype(cache.dtype))
     cache[index[:, 0], index[:, 1]] = rows.astype(cache.dtype)
     return cache
 
 
-def gather_context(cache: Tensor, meta: PagedMetadata) -> Tensor:
+def gather_context(cache: Tensor, meta: PagedMetadata, flat: bool = False) -> Tensor:
     """[N, C, ...]: each sequence's cached entries in order, through its block table."""
-    flat = cache.reshape((cache.shape[0] * cache.shape[1],) + cache.shape[2:])
-    return ops.gather(flat, _field(meta, 2), 0)
+    if flat:
+        return ops.gather(cache, _field(meta, 2), 0)
+    flat_view = cache.reshape((cache.shape[0] * cache.shape[1],) + cache.shape[2:])
+    return ops.gather(flat_view, _field(meta, 2), 0)
 
 
 def to_padded(x: Tensor, meta: PagedMetadata) -> Tensor:
@@ -181,11 +194,20 @@ def from_padded(x: Tensor, meta: PagedMetadata) -> Tensor:
     return ops.gather(x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]), _field(meta, 4), 0)
 
 
-def allocate_kv_caches(model, num_blocks: int, block_size: int, dtype=mstype.float32) -> list:
-    """Zeroed caches for every attention layer of `model` (the shapes come from model.kv_cache_shapes)."""
+def allocate_kv_caches(model, num_blocks: int, block_size: int, dtype=mstype.float32, flat: bool = False) -> list:
+    """Zeroed caches for every attention layer of `model` (the shapes come from model.kv_cache_shapes).
+
+    `flat=True` makes them slot-major, [num_blocks * block_size, ...]: under `mindspore.jit` on CPU
+    a write into a [blocks, block_size, ...] Parameter (ScatterNdUpdate) or a read through its
+    reshape copied the whole cache per call (16 MiB: +1.6 ms each), while ScatterUpdate / Gather on
+    the slot axis of a flat Parameter did not (docs/mindspore-cpu.md §12). The layers tell the two
+    layouts apart by rank."""
     if num_blocks <= 0 or block_size <= 0:
         raise ModelError(f"num_blocks={num_blocks}, block_size={block_size}; both must be positive")
-    return [zeros_cache(shapes, dtype) for shapes in model.kv_cache_shapes(num_blocks, block_size)]
+    shapes = model.kv_cache_shapes(num_blocks, block_size)
+    if flat:
+        shapes = [tuple((s[0] * s[1],) + tuple(s[2:]) for s in layer) for layer in shapes]
+    return [zeros_cache(layer, dtype) for layer in shapes]
 
 
 _CACHE_IDS = iter(range(1 << 62))

@@ -46,12 +46,12 @@ class PagedStep(nn.Cell):
 
     @jit
     def construct(self, input_ids, positions, logits_rows, write_index, write_rows, context_slots, query_rows,
-                  padded_rows, allowed):  # fmt: skip
+                  padded_rows, allowed, write_slots):  # fmt: skip
         if self.single:
             caches = tuple(self.flat[i] for i in range(self.n_layers))
         else:
             caches = tuple(tuple(self.flat[i * self.per + j] for j in range(self.per)) for i in range(self.n_layers))
-        meta = (write_index, write_rows, context_slots, query_rows, padded_rows, allowed)
+        meta = (write_index, write_rows, context_slots, query_rows, padded_rows, allowed, write_slots)
         return self.lm.paged_step(input_ids, positions, caches, meta, logits_rows)
 
 

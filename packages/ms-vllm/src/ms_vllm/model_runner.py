@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from .batch import RequestState, StepBatch, build_batch, select_requests, slots_for
+from .batch import RequestState, StepBatch, build_batch, build_draft_batch, select_requests, slots_for
 from .buckets import BucketConfig, plan_step
 from .sampler import SamplingRow, logprobs_of, sample_row
 
@@ -87,13 +87,15 @@ class MindSporeModelRunner:
             shapes = shapes + self.drafter.cache_shapes(1, self.block_size)
         return int(sum(4 * np.prod(s) for layer in shapes for s in layer))
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int, flat: bool = False) -> None:
+        """Allocate the caches; `flat`: slot-major, which compiled steps write without copying the
+        whole cache (ms_models.allocate_kv_caches)."""
         from ms_models import allocate_kv_caches
 
         # One block more than vLLM's count: block `num_blocks` is the scratch block that padding
         # tokens of compiled steps write; no request ever owns it.
         self.num_blocks = num_blocks
-        self.kv_caches = allocate_kv_caches(self.model, num_blocks + 1, self.block_size)
+        self.kv_caches = allocate_kv_caches(self.model, num_blocks + 1, self.block_size, flat=flat)
         if self.drafter is not None:
             self.drafter.allocate(num_blocks + 1, self.block_size)
         logger.info("ms-vllm: %d KV blocks of %d tokens", num_blocks, self.block_size)
@@ -177,6 +179,7 @@ class MindSporeModelRunner:
             Tensor(batch.input_ids), Tensor(batch.positions), self.kv_caches, batch.slot_mapping,
             batch.block_tables, batch.seq_lens, batch.query_start_loc,
             logits_indices=rows if rows.size else np.zeros(1, np.int32), return_hidden=True,
+            block_size=self.block_size,
         )  # fmt: skip
         logits = logits.asnumpy()[: rows.size]
         return logits, hidden
@@ -256,7 +259,8 @@ class MindSporeModelRunner:
         if self.multi_step > 1 and self._pure_decode(batch):
             self._more_decode_steps(batch, sampled, rows)
         if self.drafter is not None:
-            self.pending_drafts = self.drafter.propose(self, batch, hidden, sampled)
+            draft = build_draft_batch(batch, self.requests, sampled)
+            self.pending_drafts = self.drafter.propose(draft, hidden, self.block_size)
         self.stats["step_s"] += time.perf_counter() - t
         return ModelRunnerOutput(
             req_ids=batch.req_ids,

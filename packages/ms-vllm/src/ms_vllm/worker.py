@@ -147,7 +147,8 @@ class MindSporeWorker(WorkerBase):
         return int(explicit)
 
     def initialize_from_config(self, kv_cache_config) -> None:
-        self.runner.initialize_kv_cache(kv_cache_config.num_blocks)
+        flat = not compile_disabled_reason(self.vllm_config)  # the layout compiled steps write cheaply
+        self.runner.initialize_kv_cache(kv_cache_config.num_blocks, flat=flat)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         """Compile the prefill and decode buckets (compiled.py) unless the engine runs eagerly."""

@@ -275,6 +275,7 @@ def write(args, rows, offline_results, headline) -> None:
     )
     if headline:
         off = offline_results[headline]
+        result["script"] = "bench_vllm.py"
         result["note"] = f"Written by `benchmarks/bench_vllm.py --model {headline}` (the offline comparison)."
         result["summary"] = off["summary"]
         result["summary_rows"] = [off["summary"]]

@@ -128,3 +128,42 @@ def test_padding_never_writes_a_real_slot(tiny_dirs):
         assert changed - scratch == written
         # padding tokens (id 0 at position 0, as in the warm-up batches) write the scratch block only
         assert np.any(new.reshape(36, -1)[32:] != 0)
+
+
+CACHE_SCRIPT = """
+import json, os, sys
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], max_model_len=96, block_size=4, max_num_seqs=8, kv_cache_memory_bytes=4 << 20,
+          seed=0, additional_config={"compile": json.loads(sys.argv[2])})
+out = llm.generate([{"prompt_token_ids": [0, 5, 9, 33, 77]}], SamplingParams(max_tokens=6, temperature=0.0))
+stats = llm.collective_rpc("ms_vllm_stats")[0]
+print("RESULT", json.dumps([list(out[0].outputs[0].token_ids), stats["compile_s"]]))
+llm.llm_engine.engine_core.shutdown()
+"""
+
+
+def test_compile_cache_restart_loads_the_graphs(tiny_dirs, reference, tmp_path):
+    """Two fresh processes with one compile cache: the second loads the graphs (each bucket much
+    faster than compiling it) and generates the same tokens. MindSpore keys the cache by the entry
+    script's source, so the processes run the same script file (`python -c` cannot use the cache)."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "start.py"
+    script.write_text(CACHE_SCRIPT)
+    buckets = {"decode_sizes": [1, 2], "prefill_sizes": [8], "context_sizes": [96], "cache_dir": str(tmp_path / "cc")}
+    runs = []
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, str(script), str(tiny_dirs["llama"]), json.dumps(buckets)],
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+        assert out.returncode == 0 and line, out.stderr[-3000:]
+        runs.append(json.loads(line[0][7:]))
+    (cold_tokens, cold), (warm_tokens, warm) = runs
+    assert cold_tokens == warm_tokens == reference("llama", [0, 5, 9, 33, 77], 6)
+    assert sorted(cold) == sorted(warm) and len(cold) == 3
+    assert sum(warm.values()) < 0.5 * sum(cold.values()), (cold, warm)

@@ -2,6 +2,14 @@
 and the speedups of prefix caching, multi-step decoding and MTP, all measured side by side in one run.
 
     python benchmarks/bench_vllm.py [--quick] --out benchmarks/results/vllm.json
+    python benchmarks/bench_vllm.py --model tiny|mid --out F      (the offline comparison; nox -s bench
+                                                                  writes results/vllm_tiny.json, vllm_mid.json)
+
+The offline comparison (_vllm_offline.py): 64 mixed-length requests through vllm.LLM with compiled
+steps against HF generate at its best batch size and thread count, and against the plugin's eager
+path; the result's top-level `summary` holds ms_vllm_over_hf (tokens/s, wall), ms_vllm_over_hf_cpu
+(per CPU-second), over_eager and outside_model_share (of the run's wall time, outside model calls).
+The feature rows below run the plugin eagerly (enforce_eager), comparing each feature on and off.
 
 Same checkpoints (ms_models.make_tiny; a "small" 4-layer, 256-wide Llama for prefix caching, where
 prefill compute is not lost in per-step overhead) and token prompts for both stacks, greedy decoding.
@@ -26,6 +34,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import numpy as np
 from _common import machine_info
+from _vllm_offline import offline, rows_of
 
 
 def best_of(fn, repeats):
@@ -47,7 +56,9 @@ def prompts_for(n, length, seed, prefix=()):
 def vllm_engine(path, **kw):
     from vllm import LLM
 
-    args = dict(model=path, max_model_len=256, block_size=16, kv_cache_memory_bytes=16 << 20, seed=0)
+    args = dict(
+        model=path, max_model_len=256, block_size=16, kv_cache_memory_bytes=16 << 20, seed=0, enforce_eager=True
+    )
     args.update(kw)
     return LLM(**args)
 
@@ -158,6 +169,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer tokens and one repeat")
     ap.add_argument("--out", default="benchmarks/results/vllm.json")
+    ap.add_argument("--model", choices=("tiny", "mid"), help="only the offline comparison on this model")
     args = ap.parse_args()
     import mindspore as ms
     import torch
@@ -184,15 +196,18 @@ def main() -> None:
     )
     prompts = prompts_for(4, 24, 0)
     rows = []
+    if args.model:
+        result = offline(args.model, root, repeats=1 if args.quick else 2)
+        return write(args, rows_of(result), {args.model: result}, args.model)
 
-    # 1. plugin vs HF transformers generate, same model and prompts
+    # 1. plugin (eager) vs HF transformers generate, same model and prompts
     llm = vllm_engine(llama, enable_prefix_caching=False)
     v_ttft, v_tps = measure_vllm(llm, prompts, n_new, repeats)
     close(llm)
     h_ttft, h_tps = measure_hf(llama, prompts, n_new, repeats)
     rows.append(
         dict(
-            case="llama: ms-vllm vs HF generate",
+            case="llama: ms-vllm eager vs HF generate (4 prompts)",
             ours=f"{v_tps[1]:.1f} tok/CPU-s ({v_tps[0]:.1f} tok/s wall), TTFT {v_ttft[1] * 1e3:.0f} ms CPU",
             baseline=f"{h_tps[1]:.1f} tok/CPU-s ({h_tps[0]:.1f} tok/s wall), TTFT {h_ttft[1] * 1e3:.0f} ms CPU",
             ratio=round(v_tps[1] / h_tps[1], 3),
@@ -245,12 +260,28 @@ def main() -> None:
     # 5. quantization (no engine: logits and perplexity of the MindSpore models themselves)
     rows += quant_rows(small, root)
 
+    write(args, rows, {}, None)
+
+
+def write(args, rows, offline_results, headline) -> None:
+    title = "ms-vllm (vLLM 0.33 + MindSpore CPU) vs HF transformers generate; serving-feature speedups"
+    if headline:
+        title = f"ms-vllm compiled, offline 64 mixed-length requests ({headline} llama) vs HF generate and eager"
     result = dict(
-        benchmark="vllm",
-        title="ms-vllm (vLLM 0.33 + MindSpore CPU) vs HF transformers generate; serving-feature speedups",
+        benchmark=f"vllm_{headline}" if headline else "vllm",
+        title=title,
         machine=machine_info("mindspore", "torch", "vllm", "transformers", quick=args.quick),
         rows=rows,
     )
+    if headline:
+        off = offline_results[headline]
+        result["script"] = "bench_vllm.py"
+        result["note"] = f"Written by `benchmarks/bench_vllm.py --model {headline}` (the offline comparison)."
+        result["summary"] = off["summary"]
+        result["summary_rows"] = [off["summary"]]
+        result["compile_rows"] = [dict(bucket=k, compile_s=v) for k, v in off["compile_s"].items()]
+        result["hf_rows"] = off["hf"]
+        result["offline"] = off
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".tmp", "w") as f:
         json.dump(result, f, indent=2)

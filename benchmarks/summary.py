@@ -109,7 +109,8 @@ def markdown(results: list[tuple[str, dict]], verdicts: list[Verdict], images: d
         out += [f"- **{v.package}**, {v.figure}: {v.why or 'no explanation recorded yet.'}" for v in misses]
     out += ["", "## Where they were measured", "", *_machines(results), ""]
     for name, result in results:
-        title = f"`benchmarks/bench_{name}.py`: {result.get('title', '')}"
+        script = result.get("script", f"bench_{name}.py")  # one script may write several results
+        title = f"`benchmarks/{script}`: {result.get('title', '')}"
         out += [f"## {result.get('benchmark', name)}", "", title, ""]
         if result.get("note"):
             out += [result["note"], ""]

@@ -12,7 +12,7 @@ from mindspore import dtype as mstype
 from mindspore import nn, ops
 
 from .layers import Linear, apply_rope, attention_probs
-from .paged_cache import PagedMetadata, from_padded, gather_context, to_padded, write_cache
+from .paged_cache import PagedMetadata, allowed_mask, from_padded, gather_context, to_padded, write_cache
 
 
 def attend(q, k, v, allowed, scale: float):
@@ -52,9 +52,27 @@ class Attention(nn.Cell):
 
     def _qkv(self, x, cos, sin):
         lead = x.shape[:-1]
-        q = self.q_proj(x).reshape(*lead, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x).reshape(
+            lead
+            + (
+                self.num_heads,
+                self.head_dim,
+            )
+        )
+        k = self.k_proj(x).reshape(
+            lead
+            + (
+                self.num_kv_heads,
+                self.head_dim,
+            )
+        )
+        v = self.v_proj(x).reshape(
+            lead
+            + (
+                self.num_kv_heads,
+                self.head_dim,
+            )
+        )
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def construct(self, x, cos, sin, allowed):
@@ -64,11 +82,13 @@ class Attention(nn.Cell):
 
     def forward_paged(self, x, cos, sin, cache, meta: PagedMetadata):
         """Inference over a flat token batch: x [T, hidden]; cache = (k_cache, v_cache), each
-        [num_blocks, block_size, kv_heads, head_dim], updated in place with this batch's keys/values."""
+        [num_blocks, block_size, kv_heads, head_dim] (or slot-major [num_blocks * block_size, kv_heads,
+        head_dim]), updated in place with this batch's keys/values."""
         q, k, v = self._qkv(x, cos, sin)
         k_cache, v_cache = cache
-        write_cache(k_cache, k, meta)
-        write_cache(v_cache, v, meta)
-        k_ctx, v_ctx = gather_context(k_cache, meta), gather_context(v_cache, meta)
-        out = attend(to_padded(q, meta), k_ctx, v_ctx, meta.allowed, self.scale)
+        flat = k_cache.ndim == 3  # slot-major [slots, kv_heads, head_dim] (allocate_kv_caches(flat=True))
+        write_cache(k_cache, k, meta, flat)
+        write_cache(v_cache, v, meta, flat)
+        k_ctx, v_ctx = gather_context(k_cache, meta, flat), gather_context(v_cache, meta, flat)
+        out = attend(to_padded(q, meta), k_ctx, v_ctx, allowed_mask(meta), self.scale)
         return self.o_proj(from_padded(out, meta))

@@ -38,10 +38,14 @@ def _tensor(x, dtype=np.int32) -> Tensor:
     return x.astype(mstype.int32) if isinstance(x, Tensor) else Tensor(np.asarray(x, dtype))
 
 
-def paged_inputs(input_ids, positions, layer_cache, slot_mapping, block_tables, seq_lens, query_start_loc):
-    """(ids, positions, PagedMetadata) for one paged call; the block size is read off a layer's cache."""
+def paged_inputs(
+    input_ids, positions, layer_cache, slot_mapping, block_tables, seq_lens, query_start_loc, block_size=None
+):
+    """(ids, positions, PagedMetadata) for one paged call; the block size is read off a layer's
+    [blocks, block_size, ...] cache unless given (slot-major caches need it given)."""
     first = layer_cache[0] if isinstance(layer_cache, (tuple, list)) else layer_cache
-    meta = PagedMetadata.build(positions, slot_mapping, block_tables, seq_lens, query_start_loc, first.shape[1])
+    bs = block_size or first.shape[1]
+    meta = PagedMetadata.build(positions, slot_mapping, block_tables, seq_lens, query_start_loc, bs)
     return _tensor(input_ids), _tensor(positions), meta
 
 
@@ -104,12 +108,14 @@ class CausalLM(nn.Cell):
         input_ids,
         positions,
         kv_caches,
-        slot_mapping,
-        block_tables,
-        seq_lens,
-        query_start_loc,
+        slot_mapping=None,
+        block_tables=None,
+        seq_lens=None,
+        query_start_loc=None,
         logits_indices=None,
         return_hidden: bool = False,
+        meta: PagedMetadata | None = None,
+        block_size: int | None = None,
     ):
         """Inference over a flat token batch mixing prefills and decodes (vLLM's layout).
 
@@ -118,15 +124,33 @@ class CausalLM(nn.Cell):
         allocate_kv_caches) are written in place. Returns logits [T, V], or only the rows in
         `logits_indices` (for example each sequence's last token). With `return_hidden`, returns
         (logits, hidden [T, H]): the final normed hidden states of all rows, which an MTP drafter takes.
+
+        `block_size` is read off the caches unless given; slot-major caches
+        (allocate_kv_caches(flat=True)) need it given.
+
+        A caller that built the PagedMetadata itself (padded to a compiled bucket, for example)
+        passes it as `meta` instead of slot_mapping .. query_start_loc, with int32 tensors for
+        input_ids, positions and logits_indices; the work is then `paged_step`, which compiles.
         """
         if len(kv_caches) != len(self.model.layers):
             raise ModelError(f"{len(kv_caches)} kv caches for {len(self.model.layers)} layers")
-        ids, pos, meta = paged_inputs(
-            input_ids, positions, kv_caches[0], slot_mapping, block_tables, seq_lens, query_start_loc
-        )
-        hidden = self.model.forward_paged(ids, pos, kv_caches, meta)
-        logits = self.compute_logits(select_rows(hidden, logits_indices))
+        if meta is None:
+            if slot_mapping is None or block_tables is None or seq_lens is None or query_start_loc is None:
+                raise ModelError("forward_paged needs slot_mapping, block_tables, seq_lens, query_start_loc, or meta")
+            input_ids, positions, meta = paged_inputs(
+                input_ids, positions, kv_caches[0], slot_mapping, block_tables, seq_lens, query_start_loc, block_size
+            )
+            logits_indices = None if logits_indices is None else _tensor(logits_indices)
+        logits, hidden = self.paged_step(input_ids, positions, kv_caches, meta, logits_indices)
         return (logits, hidden) if return_hidden else logits
+
+    def paged_step(self, input_ids, positions, kv_caches, meta: PagedMetadata, logits_indices=None):
+        """The body of forward_paged once its inputs are tensors: (logits of `logits_indices`, or of
+        every row for None, and the hidden states [T, H]). No checks, no numpy: this is what a
+        caller compiles with `mindspore.jit` (the caches held as Parameters)."""
+        hidden = self.model.forward_paged(input_ids, positions, kv_caches, meta)
+        logits = self.compute_logits(hidden if logits_indices is None else ops.gather(hidden, logits_indices, 0))
+        return logits, hidden
 
     def num_params(self) -> int:
         """Number of parameter elements."""

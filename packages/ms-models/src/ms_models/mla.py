@@ -19,7 +19,7 @@ from mindspore import nn, ops
 
 from .attention import attend
 from .layers import Linear, RMSNorm, apply_rope, stacked_linear
-from .paged_cache import PagedMetadata, from_padded, gather_context, to_padded, write_cache
+from .paged_cache import PagedMetadata, allowed_mask, from_padded, gather_context, to_padded, write_cache
 
 
 class MLAttention(nn.Cell):
@@ -54,11 +54,23 @@ class MLAttention(nn.Cell):
         """-> q_nope [.., H, nope], q_pe [.., H, rope] (rotated), latent [.., rank] (normed), k_pe [.., 1, rope]."""
         lead = x.shape[:-1]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
-        q = q.reshape(*lead, self.num_heads, self.q_head_dim)
+        q = q.reshape(
+            lead
+            + (
+                self.num_heads,
+                self.q_head_dim,
+            )
+        )
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
         kv = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(kv[..., : self.rank])
-        k_pe = kv[..., self.rank :].reshape(*lead, 1, self.rope)
+        k_pe = kv[..., self.rank :].reshape(
+            lead
+            + (
+                1,
+                self.rope,
+            )
+        )
         q_pe = apply_rope(q_pe, cos, sin, self.interleave)
         k_pe = apply_rope(k_pe, cos, sin, self.interleave)
         return q_nope, q_pe, latent, k_pe
@@ -67,9 +79,15 @@ class MLAttention(nn.Cell):
         """Training forward (latent expanded per head): x [B, S, H] -> [B, S, H]."""
         q_nope, q_pe, latent, k_pe = self._project(x, cos, sin)
         lead = x.shape[:-1]
-        kv = self.kv_b_proj(latent).reshape(*lead, self.num_heads, self.nope + self.v_dim)
+        kv = self.kv_b_proj(latent).reshape(
+            lead
+            + (
+                self.num_heads,
+                self.nope + self.v_dim,
+            )
+        )
         k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
-        k_pe = ops.broadcast_to(k_pe, (*lead, self.num_heads, self.rope))
+        k_pe = ops.broadcast_to(k_pe, lead + (self.num_heads, self.rope))
         q = ops.cat((q_nope, q_pe), -1)
         k = ops.cat((k_nope, k_pe), -1)
         return self.o_proj(attend(q, k, v, allowed, self.scale))
@@ -82,13 +100,14 @@ class MLAttention(nn.Cell):
         """Absorbed MLA over a flat token batch x [T, H]; the cache [blocks, block_size, rank + rope]
         is written in place."""
         q_nope, q_pe, latent, k_pe = self._project(x, cos, sin)
-        write_cache(cache, ops.cat((latent, k_pe[:, 0, :]), -1), meta)
+        flat = cache.ndim == 2  # slot-major [slots, rank + rope] (allocate_kv_caches(flat=True))
+        write_cache(cache, ops.cat((latent, k_pe[:, 0, :]), -1), meta, flat)
         w_uk, w_uv = self._absorbed_weights()
         # q_nope . (W_UK c) = (W_UK^T q_nope) . c: move the query into latent space, per head.
         q_latent = ops.matmul(q_nope.transpose(1, 0, 2), w_uk).transpose(1, 0, 2)  # [T, H, rank]
         q = to_padded(ops.cat((q_latent, q_pe), -1), meta)  # [N, Q, H, rank + rope]
-        ctx = gather_context(cache, meta).expand_dims(2)  # [N, C, 1, rank + rope]: one shared kv head
-        out = attend(q, ctx, ctx[..., : self.rank], meta.allowed, self.scale)  # [N, Q, H * rank]
+        ctx = gather_context(cache, meta, flat).expand_dims(2)  # [N, C, 1, rank + rope]: one shared kv head
+        out = attend(q, ctx, ctx[..., : self.rank], allowed_mask(meta), self.scale)  # [N, Q, H * rank]
         out = from_padded(out, meta).reshape(-1, self.num_heads, self.rank)
         # sum_j p_j (W_UV c_j) = W_UV (sum_j p_j c_j): expand the attended latent to values.
         out = stacked_linear(out.transpose(1, 0, 2), w_uv).transpose(1, 0, 2)  # [T, H, v]

@@ -10,11 +10,17 @@ sequences (prefill chunks and single decode tokens mixed, vLLM's `query_start_lo
 3. lets token t attend to context positions <= positions[t].
 
 The index bookkeeping is the same for every layer, so it is done once per call in numpy
-(`PagedMetadata.build`). Writes use index assignment, which updates the tensor in place in
-PyNative mode on CPU (MindSpore's in-place arithmetic such as `add_` does not; see
-docs/mindspore-cpu.md §10.3). Under `mindspore.jit` the writes would not persist, so this
-path runs in PyNative; the per-layer math is plain ops and can be compiled by a caller that owns
-the cache as Parameters.
+(`PagedMetadata.build`). The caches are Parameters (`allocate_kv_caches`), written functionally
+with `ops.scatter_nd_update`: that updates the Parameter in PyNative and, unlike index
+assignment on a plain tensor, also inside a `mindspore.jit` graph, so the same `forward_paged`
+runs eagerly or compiled (docs/mindspore-cpu.md §12). Plain tensors are still accepted and
+written by index assignment (PyNative only; in-place arithmetic such as `add_` would silently do
+nothing, §10.3).
+
+Compiled callers need fixed shapes: `build(..., query_len=Q, context_len=C)` pads the per-sequence
+query and context axes, and a caller pads the token and sequence axes itself (padding tokens with a
+slot in a scratch block, padding sequences with an empty query), so one graph serves every batch
+of its bucket.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from mindspore import Tensor
+from mindspore import Parameter, Tensor, ops
 from mindspore import dtype as mstype
 
 from .errors import ModelError
@@ -40,10 +46,8 @@ class PagedMetadata:
 
     block_size: int
     """Tokens per cache block."""
-    write_blocks: Tensor
-    """[W] block of each token written (tokens with slot -1 are left out)."""
-    write_offsets: Tensor
-    """[W] offset in its block of each token written."""
+    write_index: Tensor
+    """[W, 2] (block, offset) of each token written (tokens with slot -1 are left out)."""
     write_rows: Tensor
     """[W] row in the flat token batch of each token written."""
     context_slots: Tensor
@@ -54,10 +58,27 @@ class PagedMetadata:
     """[T] index into the flattened [N * Q] padded queries of each flat-batch token."""
     allowed: Tensor
     """[N, 1, Q, C] bool: query i of sequence s may attend context position j."""
+    write_slots: Tensor
+    """[W] flat slot (block * block_size + offset) of each token written."""
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The index tensors in PAGED_TENSORS order (the inputs of a compiled step)."""
+        return tuple(getattr(self, name) for name in PAGED_TENSORS)
 
     @classmethod
-    def build(cls, positions, slot_mapping, block_tables, seq_lens, query_start_loc, block_size: int) -> PagedMetadata:
-        """Check the vLLM-style inputs and derive the index tensors."""
+    def build(
+        cls,
+        positions,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        block_size: int,
+        query_len: int | None = None,
+        context_len: int | None = None,
+    ) -> PagedMetadata:
+        """Check the vLLM-style inputs and derive the index tensors; `query_len` / `context_len` pad
+        the Q and C axes to a fixed size (at least the longest query / context)."""
         positions, slots = _np(positions), _np(slot_mapping)
         tables, lens, starts = _np(block_tables), _np(seq_lens), _np(query_start_loc)
         t, n = positions.shape[0], lens.shape[0]
@@ -78,6 +99,10 @@ class PagedMetadata:
         if np.any(lens > tables.shape[1] * block_size):
             raise ModelError(f"seq_lens {lens.tolist()} exceed block_tables capacity {tables.shape[1]} x {block_size}")
         q_max, c_max = max(int(q_lens.max(initial=1)), 1), max(int(lens.max(initial=1)), 1)
+        for name, pad, need in (("query_len", query_len, q_max), ("context_len", context_len, c_max)):
+            if pad is not None and pad < need:
+                raise ModelError(f"{name}={pad} is shorter than the batch needs ({need})")
+        q_max, c_max = query_len or q_max, context_len or c_max
 
         j = np.arange(c_max)
         ctx_valid = j[None, :] < lens[:, None]
@@ -97,46 +122,103 @@ class PagedMetadata:
         keep = slots >= 0
         return cls(
             block_size=block_size,
-            write_blocks=Tensor((slots[keep] // block_size).astype(np.int32)),
-            write_offsets=Tensor((slots[keep] % block_size).astype(np.int32)),
+            write_index=Tensor(np.stack([slots[keep] // block_size, slots[keep] % block_size], 1).astype(np.int32)),
             write_rows=Tensor(np.nonzero(keep)[0].astype(np.int32)),
             context_slots=Tensor(context_slots.astype(np.int32)),
             query_rows=Tensor(query_rows.astype(np.int32)),
             padded_rows=Tensor(padded_rows.astype(np.int32)),
             allowed=Tensor(allowed[:, None]),
+            write_slots=Tensor(slots[keep].astype(np.int32)),
         )
 
 
-def write_cache(cache: Tensor, values: Tensor, meta: PagedMetadata) -> None:
-    """cache[block, offset] = values[row] for every written token, in place."""
-    if meta.write_rows.shape[0]:
-        cache[meta.write_blocks, meta.write_offsets] = values[meta.write_rows].astype(cache.dtype)
+PAGED_TENSORS = ("write_index", "write_rows", "context_slots", "query_rows", "padded_rows", "allowed", "write_slots")
+"""The tensor fields of PagedMetadata, in the order compiled callers pass them."""
 
 
-def gather_context(cache: Tensor, meta: PagedMetadata) -> Tensor:
+def _field(meta, i: int):
+    """Field PAGED_TENSORS[i] of a PagedMetadata, or of the plain tuple a compiled step passes.
+
+    Under `mindspore.jit` only plain tensors and tuples of them stay typed: a dataclass argument is a
+    compile-time constant (a new one recompiles, a mutated one is ignored), and a dataclass or
+    namedtuple built inside the graph comes out untyped, so its float32 results were typed float64
+    and the cache writes failed (docs/mindspore-cpu.md §12)."""
+    return meta[i] if isinstance(meta, tuple) else getattr(meta, PAGED_TENSORS[i])
+
+
+def allowed_mask(meta) -> Tensor:
+    """[N, 1, Q, C] bool attention mask of the call."""
+    return _field(meta, 5)
+
+
+# Rows are taken with ops.gather, not x[index_tensor]: under jit, indexing by a tensor comes out
+# untyped, and every later op of the graph with it (its float32 results were typed float64).
+
+
+def write_cache(cache: Tensor, values: Tensor, meta: PagedMetadata, flat: bool = False):
+    """cache[block, offset] = values[row] for every written token, in place (functionally for a
+    Parameter, so that it also persists from a compiled graph). `flat`: the cache is slot-major,
+    [num_blocks * block_size, ...] (see allocate_kv_caches). Returns the write, for ops.depend."""
+    write_rows = _field(meta, 1)
+    if not write_rows.shape[0]:
+        return cache
+    rows = ops.gather(values, write_rows, 0)
+    if flat:
+        slots = _field(meta, 6)
+        if isinstance(cache, Parameter):
+            return ops.scatter_update(cache, slots, rows.astype(cache.dtype))
+        cache[slots] = rows.astype(cache.dtype)
+        return cache
+    index = _field(meta, 0)
+    if isinstance(cache, Parameter):
+        return ops.scatter_nd_update(cache, index, rows.astype(cache.dtype))
+    cache[index[:, 0], index[:, 1]] = rows.astype(cache.dtype)
+    return cache
+
+
+def gather_context(cache: Tensor, meta: PagedMetadata, flat: bool = False) -> Tensor:
     """[N, C, ...]: each sequence's cached entries in order, through its block table."""
-    flat = cache.reshape(cache.shape[0] * cache.shape[1], *cache.shape[2:])
-    return flat[meta.context_slots]
+    if flat:
+        return ops.gather(cache, _field(meta, 2), 0)
+    flat_view = cache.reshape((cache.shape[0] * cache.shape[1],) + cache.shape[2:])
+    return ops.gather(flat_view, _field(meta, 2), 0)
 
 
 def to_padded(x: Tensor, meta: PagedMetadata) -> Tensor:
     """Flat-batch rows [T, ...] -> [N, Q, ...] padded per sequence."""
-    return x[meta.query_rows]
+    return ops.gather(x, _field(meta, 3), 0)
 
 
 def from_padded(x: Tensor, meta: PagedMetadata) -> Tensor:
     """[N, Q, ...] -> flat-batch rows [T, ...]."""
-    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])[meta.padded_rows]
+    return ops.gather(x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]), _field(meta, 4), 0)
 
 
-def allocate_kv_caches(model, num_blocks: int, block_size: int, dtype=mstype.float32) -> list:
-    """Zeroed caches for every attention layer of `model` (the shapes come from model.kv_cache_shapes)."""
+def allocate_kv_caches(model, num_blocks: int, block_size: int, dtype=mstype.float32, flat: bool = False) -> list:
+    """Zeroed caches for every attention layer of `model` (the shapes come from model.kv_cache_shapes).
+
+    `flat=True` makes them slot-major, [num_blocks * block_size, ...]: under `mindspore.jit` on CPU
+    a write into a [blocks, block_size, ...] Parameter (ScatterNdUpdate) or a read through its
+    reshape copied the whole cache per call (16 MiB: +1.6 ms each), while ScatterUpdate / Gather on
+    the slot axis of a flat Parameter did not (docs/mindspore-cpu.md §12). The layers tell the two
+    layouts apart by rank."""
     if num_blocks <= 0 or block_size <= 0:
         raise ModelError(f"num_blocks={num_blocks}, block_size={block_size}; both must be positive")
-    return [zeros_cache(shapes, dtype) for shapes in model.kv_cache_shapes(num_blocks, block_size)]
+    shapes = model.kv_cache_shapes(num_blocks, block_size)
+    if flat:
+        shapes = [tuple((s[0] * s[1],) + tuple(s[2:]) for s in layer) for layer in shapes]
+    return [zeros_cache(layer, dtype) for layer in shapes]
+
+
+_CACHE_IDS = iter(range(1 << 62))
 
 
 def zeros_cache(shapes, dtype=mstype.float32):
-    """Zeroed tensors of `shapes`: a tuple for (k, v), a single tensor for one shape (MLA)."""
-    tensors = tuple(Tensor(np.zeros(s, np.float32)).astype(dtype) for s in shapes)
+    """Zeroed Parameters of `shapes` (unique names: a compiled graph takes them as inputs): a tuple
+    for (k, v), a single Parameter for one shape (MLA)."""
+    n = next(_CACHE_IDS)
+    tensors = tuple(
+        Parameter(Tensor(np.zeros(s, np.float32)).astype(dtype), name=f"kv_cache_{n}_{i}", requires_grad=False)
+        for i, s in enumerate(shapes)
+    )
     return tensors if len(tensors) > 1 else tensors[0]

@@ -132,3 +132,90 @@ def build_batch(
         sample_rows=rows,
         spec_tokens=specs,
     )
+
+
+def select_requests(batch: StepBatch, idx: list[int]) -> tuple[StepBatch, np.ndarray]:
+    """The sub-batch of requests `idx` (flat rows renumbered from 0) and, for each of its rows, the
+    row of `batch` it came from. A step run part by part computes what it computes whole: requests
+    never read each other's cache slots within one step."""
+    starts = batch.query_start_loc
+    src = [np.arange(starts[i], starts[i + 1]) for i in idx]
+    flat = np.concatenate(src).astype(np.int64) if src else np.zeros(0, np.int64)
+    lens = [len(s) for s in src]
+    new_starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    rows = [[r - int(starts[i]) + int(new_starts[k]) for r in batch.sample_rows[i]] for k, i in enumerate(idx)]
+    sub = StepBatch(
+        req_ids=[batch.req_ids[i] for i in idx],
+        input_ids=batch.input_ids[flat],
+        positions=batch.positions[flat],
+        slot_mapping=batch.slot_mapping[flat],
+        block_tables=batch.block_tables[idx],
+        seq_lens=batch.seq_lens[idx],
+        query_start_loc=new_starts,
+        sample_rows=rows,
+        spec_tokens=[batch.spec_tokens[i] for i in idx],
+    )
+    return sub, flat
+
+
+@dataclass
+class DraftBatch:
+    """The MTP drafter's inputs after a step, built from that step's batch (numpy only).
+
+    MTP input at position p = (the target's final hidden state at p, the token at p + 1), for every
+    position whose next token is now known: a prefill chunk's positions, and a decode's positions up
+    to its last accepted token. Deeper drafts continue from `last_rows`."""
+
+    hidden_rows: np.ndarray
+    """[M] rows of the step's hidden states the MTP layer takes, in order."""
+    input_ids: np.ndarray
+    """[M] the token one position ahead of each of those rows."""
+    positions: np.ndarray
+    """[M] their positions."""
+    slot_mapping: np.ndarray
+    """[M] their cache slots (the MTP caches use the target's block ids)."""
+    block_tables: np.ndarray
+    """[N, max_blocks] block tables of the step's requests."""
+    seq_lens: np.ndarray
+    """[N] MTP context length of each request after this pass."""
+    query_start_loc: np.ndarray
+    """[N + 1] where each request's rows start."""
+    last_rows: np.ndarray
+    """[R] row (in this batch) of the last known position of each request that got tokens."""
+    owners: list[str]
+    """[R] the requests the drafts are for."""
+    owner_blocks: list[list[int]]
+    """[R] their block ids (for the slots of deeper drafts)."""
+
+
+def build_draft_batch(batch: StepBatch, states: dict[str, RequestState], sampled: list[list[int]]) -> DraftBatch:
+    """The drafter's first-depth batch after `batch` ran and `sampled` tokens were accepted."""
+    rows, ids, pos, slots, starts, lens, last, owners = [], [], [], [], [0], [], [], []
+    for i, req_id in enumerate(batch.req_ids):
+        st = states[req_id]
+        q0, q1 = int(batch.query_start_loc[i]), int(batch.query_start_loc[i + 1])
+        start = int(batch.positions[q0]) if q1 > q0 else st.num_computed_tokens
+        accepted = max(len(sampled[i]) - 1, 0)
+        valid = (q1 - q0) - len(batch.spec_tokens[i]) + accepted
+        p = np.arange(start, start + valid)
+        rows.extend(range(q0, q0 + valid))
+        ids.extend(st.token_at(int(x) + 1, []) for x in p)
+        pos.append(p)
+        slots.append(batch.slot_mapping[q0 : q0 + valid])
+        starts.append(starts[-1] + valid)
+        lens.append(start + valid)
+        if sampled[i]:
+            last.append(starts[-1] - 1)
+            owners.append(req_id)
+    return DraftBatch(
+        hidden_rows=np.asarray(rows, np.int32),
+        input_ids=np.asarray(ids, np.int32),
+        positions=np.concatenate(pos).astype(np.int32) if pos else np.zeros(0, np.int32),
+        slot_mapping=np.concatenate(slots).astype(np.int32) if slots else np.zeros(0, np.int32),
+        block_tables=batch.block_tables,
+        seq_lens=np.asarray(lens, np.int32),
+        query_start_loc=np.asarray(starts, np.int32),
+        last_rows=np.asarray(last, np.int64),
+        owners=owners,
+        owner_blocks=[list(states[r].block_ids) for r in owners],
+    )

@@ -2,9 +2,12 @@
 
 Per engine step:
 1. fold the scheduler's diff into the per-request states (batch.py);
-2. build the flat paged batch and run the ms_models decoder over it (`model.model.forward_paged`,
-   which writes every layer's paged cache and returns the final hidden states);
-3. take logits only at the rows that need a token, sample them (sampler.py), and verify draft
+2. build the flat paged batch and run the ms_models model over it (`CausalLM.forward_paged`,
+   which writes every layer's paged cache and returns the logits of the rows that need a token and
+   the final hidden states). With compilation on (compile_or_warm_up_model, unless vLLM's
+   `enforce_eager`), the step is split and padded into shape buckets (buckets.py) and each part runs
+   a compiled graph (compiled.py); a part that fits no bucket runs eagerly and is counted;
+3. sample the logits (sampler.py), and verify draft
    tokens when speculative decoding scheduled some (a draft is kept while it equals the token the
    target samples at its position: exact for greedy, and the exact rejection rule for a one-hot
    draft under random sampling);
@@ -16,10 +19,12 @@ Per engine step:
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 
-from .batch import RequestState, StepBatch, build_batch, slots_for
+from .batch import RequestState, StepBatch, build_batch, build_draft_batch, select_requests, slots_for
+from .buckets import BucketConfig, plan_step
 from .sampler import SamplingRow, logprobs_of, sample_row
 
 logger = logging.getLogger(__name__)
@@ -57,8 +62,23 @@ class MindSporeModelRunner:
         self.kv_caches: list | None = None
         self.shared_rng = np.random.default_rng(vllm_config.model_config.seed or 0)
         self.pending_drafts = None
-        self.stats = {"steps": 0, "forwards": 0, "tokens": 0, "drafts": 0, "accepted": 0}
-        """Counters since start: engine steps, model forward calls, tokens emitted, drafts verified/accepted."""
+        self.compiled = None
+        """CompiledSteps once compile() ran; None: every step runs eagerly (PyNative)."""
+        self.stats = {
+            "steps": 0,
+            "forwards": 0,
+            "tokens": 0,
+            "drafts": 0,
+            "accepted": 0,
+            "compiled_calls": 0,
+            "eager_calls": 0,
+            "eager_reasons": {},
+            "model_s": 0.0,
+            "step_s": 0.0,
+        }
+        """Counters since start: engine steps, model forward calls, tokens emitted, drafts verified/
+        accepted, compiled and eager model calls (with why each eager call had no bucket), and wall
+        seconds inside model calls (logits to numpy included) and inside whole execute() calls."""
 
     # ------------------------------------------------------------------ KV cache
     def cache_bytes_per_block(self) -> int:
@@ -67,12 +87,17 @@ class MindSporeModelRunner:
             shapes = shapes + self.drafter.cache_shapes(1, self.block_size)
         return int(sum(4 * np.prod(s) for layer in shapes for s in layer))
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int, flat: bool = False) -> None:
+        """Allocate the caches; `flat`: slot-major, which compiled steps write without copying the
+        whole cache (ms_models.allocate_kv_caches)."""
         from ms_models import allocate_kv_caches
 
-        self.kv_caches = allocate_kv_caches(self.model, num_blocks, self.block_size)
+        # One block more than vLLM's count: block `num_blocks` is the scratch block that padding
+        # tokens of compiled steps write; no request ever owns it.
+        self.num_blocks = num_blocks
+        self.kv_caches = allocate_kv_caches(self.model, num_blocks + 1, self.block_size, flat=flat)
         if self.drafter is not None:
-            self.drafter.allocate(num_blocks, self.block_size)
+            self.drafter.allocate(num_blocks + 1, self.block_size)
         logger.info("ms-vllm: %d KV blocks of %d tokens", num_blocks, self.block_size)
 
     # ------------------------------------------------------------------ request states
@@ -107,36 +132,90 @@ class MindSporeModelRunner:
             elif new_blocks is not None:
                 st.block_ids.extend(new_blocks[0])
 
+    # ------------------------------------------------------------------ compilation
+    def compile(
+        self, config: BucketConfig | None = None, progress: bool = True, cache_dir: str | None = None
+    ) -> dict[str, float]:
+        """Compile the buckets (default: BucketConfig.default for this engine) -> seconds per bucket.
+        With `cache_dir`, MindSpore's compile cache keeps the graphs on disk for the next start."""
+        from .compiled import CompiledSteps, cache_key, use_compile_cache
+
+        if self.kv_caches is None:
+            raise RuntimeError("compile() needs the KV cache: call initialize_kv_cache first")
+        if config is None:
+            sched = getattr(self.vllm_config, "scheduler_config", None)
+            max_seqs = int(getattr(sched, "max_num_seqs", 64) or 64)
+            config = BucketConfig.default(max_seqs, self.max_model_len, self.block_size)
+        if cache_dir:
+            path = use_compile_cache(cache_dir, cache_key(self.model, config, self.num_blocks, self.block_size))
+            logger.info("ms-vllm: compile cache in %s", path)
+        steps = CompiledSteps(self.model, self.kv_caches, config, self.block_size, self.num_blocks)
+        times = steps.warm_up(progress)
+        self.compiled = steps
+        return times
+
     # ------------------------------------------------------------------ forward
-    def forward(self, batch: StepBatch):
-        """Final hidden states [T, H] (MindSpore tensor) of the flat batch; caches written in place."""
+    def run_model(self, batch: StepBatch, need_hidden: bool = False):
+        """(logits [R, V] numpy of batch.logits_indices, hidden [T, H] MindSpore tensor or None)."""
+        t = time.perf_counter()
+        if self.compiled is None:
+            logits, hidden = self._eager(batch)
+        else:
+            logits, hidden = self._in_parts(batch, need_hidden)
+        self.stats["model_s"] += time.perf_counter() - t
+        return logits, hidden
+
+    def _eager(self, batch: StepBatch):
         from mindspore import Tensor
 
-        from ms_models import PagedMetadata
-
-        meta = PagedMetadata.build(
-            batch.positions,
-            batch.slot_mapping,
-            batch.block_tables,
-            batch.seq_lens,
-            batch.query_start_loc,
-            self.block_size,
-        )
-        ids, pos = Tensor(batch.input_ids), Tensor(batch.positions)
+        rows = batch.logits_indices
         if self.lora is not None:
             per_req = [self.requests[r].lora_id for r in batch.req_ids]
-            rows = np.repeat(per_req, np.diff(batch.query_start_loc))
-            self.lora.set_batch(np.pad(rows, (0, len(batch.input_ids) - len(rows))))
+            per_row = np.repeat(per_req, np.diff(batch.query_start_loc))
+            self.lora.set_batch(np.pad(per_row, (0, len(batch.input_ids) - len(per_row))))
         self.stats["forwards"] += 1
-        return self.model.model.forward_paged(ids, pos, self.kv_caches, meta)
+        self.stats["eager_calls"] += 1
+        logits, hidden = self.model.forward_paged(
+            Tensor(batch.input_ids), Tensor(batch.positions), self.kv_caches, batch.slot_mapping,
+            batch.block_tables, batch.seq_lens, batch.query_start_loc,
+            logits_indices=rows if rows.size else np.zeros(1, np.int32), return_hidden=True,
+            block_size=self.block_size,
+        )  # fmt: skip
+        logits = logits.asnumpy()[: rows.size]
+        return logits, hidden
 
-    def logits(self, hidden, rows: np.ndarray) -> np.ndarray:
-        from mindspore import Tensor
+    def _in_parts(self, batch: StepBatch, need_hidden: bool):
+        """The step as compiled parts (and eager ones for shapes outside the buckets)."""
+        from mindspore import ops
 
-        if rows.size == 0:
-            return np.zeros((0, self.vocab_size), np.float32)
-        out = self.model.compute_logits(hidden[Tensor(rows.astype(np.int32))])
-        return out.asnumpy()
+        q_lens = np.diff(batch.query_start_loc)
+        parts = plan_step(q_lens, batch.seq_lens, [len(r) for r in batch.sample_rows], self.compiled.config)
+        order = {int(r): k for k, r in enumerate(batch.logits_indices)}
+        logits = np.zeros((len(order), self.vocab_size), np.float32)
+        hiddens, sources = [], []
+        for part in parts:
+            sub, flat = select_requests(batch, part.requests)
+            if part.bucket is None:
+                reasons = self.stats["eager_reasons"]
+                reasons[part.reason] = reasons.get(part.reason, 0) + 1
+                lg, h = self._eager(sub)
+            else:
+                self.stats["forwards"] += 1
+                self.stats["compiled_calls"] += 1
+                lg, h = self.compiled.run(sub, part.bucket)
+                lg = lg.asnumpy()
+            for k, r in enumerate(sub.logits_indices):
+                logits[order[int(flat[r])]] = lg[k]
+            if need_hidden:
+                hiddens.append(h)
+                sources.append(flat)
+        hidden = None
+        if need_hidden and hiddens:
+            from mindspore import Tensor
+
+            inverse = np.argsort(np.concatenate(sources)).astype(np.int32)
+            hidden = ops.gather(ops.cat(hiddens, 0), Tensor(inverse), 0)
+        return logits, hidden
 
     # ------------------------------------------------------------------ sampling
     def _row(self, st: RequestState) -> SamplingRow:
@@ -169,17 +248,20 @@ class MindSporeModelRunner:
     def execute(self, so):
         from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
+        t = time.perf_counter()
         self.update_states(so)
         if not so.total_num_scheduled_tokens:
             return EMPTY_MODEL_RUNNER_OUTPUT
         self.stats["steps"] += 1
         batch = build_batch(self.requests, so.num_scheduled_tokens, so.scheduled_spec_decode_tokens, self.block_size)
-        hidden = self.forward(batch)
-        sampled, rows = self.sample(batch, self.logits(hidden, batch.logits_indices))
+        logits, hidden = self.run_model(batch, need_hidden=self.drafter is not None)
+        sampled, rows = self.sample(batch, logits)
         if self.multi_step > 1 and self._pure_decode(batch):
             self._more_decode_steps(batch, sampled, rows)
         if self.drafter is not None:
-            self.pending_drafts = self.drafter.propose(self, batch, hidden, sampled)
+            draft = build_draft_batch(batch, self.requests, sampled)
+            self.pending_drafts = self.drafter.propose(draft, hidden, self.block_size)
+        self.stats["step_s"] += time.perf_counter() - t
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
             req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
@@ -229,8 +311,8 @@ class MindSporeModelRunner:
             for req_id in live:  # the previous token's keys/values are written by this iteration
                 self.requests[req_id].num_computed_tokens = self.requests[req_id].num_tokens - 1
             step = build_batch(self.requests, {r: 1 for r in live}, {}, self.block_size)
-            hidden = self.forward(step)
-            new, new_rows = self.sample(step, self.logits(hidden, step.logits_indices))
+            logits, _ = self.run_model(step)
+            new, new_rows = self.sample(step, logits)
             for req_id, toks, r in zip(live, new, new_rows):
                 sampled[index[req_id]].extend(toks)
                 rows[index[req_id]] = np.concatenate([rows[index[req_id]], r])

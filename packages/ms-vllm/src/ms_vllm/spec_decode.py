@@ -11,12 +11,16 @@ for every position whose next token is now known (a prefill chunk's positions; u
 accepted token of a decode), so the MTP layer's own paged cache (same block ids as the target's)
 holds every position it will attend to. The draft is the argmax of the MTP logits at the last of
 those positions; for k > 1 the module is chained on its own output hidden state and draft token
-(module d % n_mtp at depth d, vLLM's reuse of one module for deeper drafts).
+(module d % n_mtp at depth d, vLLM's reuse of one module for deeper drafts). The batch builder
+(batch.build_draft_batch) derives these inputs from the step's batch; the drafter only runs the
+MTP module over them (eagerly: it is not compiled yet).
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from .batch import DraftBatch
 
 
 class MTPDrafter:
@@ -40,9 +44,7 @@ class MTPDrafter:
         return [layer.self_attn.cache_shapes(num_blocks, block_size) for layer in self.layers]
 
     def allocate(self, num_blocks: int, block_size: int) -> None:
-        from mindspore import Tensor
-
-        self.caches = [Tensor(np.zeros(s[0], np.float32)) for s in self.cache_shapes(num_blocks, block_size)]
+        self.caches = self.model.allocate_mtp_kv_caches(num_blocks, block_size)
 
     def _run(self, depth: int, ids, positions, hidden, slots, tables, seq_lens, starts, block_size):
         """One MTP module over a flat batch -> (its output hidden states, MindSpore tensor)."""
@@ -65,70 +67,49 @@ class MTPDrafter:
         logits = self.model.compute_logits(layer.shared_head(x[Tensor(rows.astype(np.int32))]))
         return logits.asnumpy().argmax(-1)
 
-    def propose(self, runner, batch, hidden, sampled: list[list[int]]):
-        """(req_ids, drafts) for the requests that got tokens this step; the MTP caches are updated
-        for every position whose next token is known."""
+    def propose(self, draft: DraftBatch, hidden, block_size: int):
+        """(req_ids, drafts) for the requests that got tokens this step, from the batch builder's
+        DraftBatch and the step's hidden states; the MTP caches are updated for every position
+        whose next token is known."""
         from mindspore import Tensor
 
-        bs = runner.block_size
-        rows, ids, pos, slots, starts, lens, tables, last, owners = [], [], [], [], [0], [], [], [], []
-        for i, req_id in enumerate(batch.req_ids):
-            st = runner.requests[req_id]
-            q0, q1 = int(batch.query_start_loc[i]), int(batch.query_start_loc[i + 1])
-            start = int(batch.positions[q0]) if q1 > q0 else st.num_computed_tokens
-            accepted = max(len(sampled[i]) - 1, 0)
-            valid = (q1 - q0) - len(batch.spec_tokens[i]) + accepted
-            p = np.arange(start, start + valid)
-            rows.extend(range(q0, q0 + valid))
-            ids.extend(st.token_at(int(x) + 1, []) for x in p)
-            pos.append(p)
-            slots.append(batch.slot_mapping[q0 : q0 + valid])
-            starts.append(starts[-1] + valid)
-            lens.append(start + valid)
-            tables.append(batch.block_tables[i])
-            if sampled[i]:
-                last.append(starts[-1] - 1)
-                owners.append(req_id)
-        if not rows:
+        if not draft.hidden_rows.size:
             return None
-        positions = np.concatenate(pos)
         x = self._run(
             0,
-            np.asarray(ids),
-            positions,
-            hidden[Tensor(np.asarray(rows, np.int32))],
-            np.concatenate(slots),
-            np.stack(tables),
-            np.asarray(lens),
-            np.asarray(starts),
-            bs,
+            draft.input_ids,
+            draft.positions,
+            hidden[Tensor(draft.hidden_rows)],
+            draft.slot_mapping,
+            draft.block_tables,
+            draft.seq_lens,
+            draft.query_start_loc,
+            block_size,
         )
-        if not owners:
+        if not draft.owners:
             return None
-        last = np.asarray(last, np.int64)
+        last = draft.last_rows
         drafts = [[int(t)] for t in self._draft(0, x, last)]
-        self._chain(runner, owners, positions[last], x, last, drafts)
+        self._chain(draft.owner_blocks, draft.positions[last], x, last, drafts, block_size)
         self.num_drafts += sum(len(d) for d in drafts)
-        return owners, drafts
+        return draft.owners, drafts
 
-    def _chain(self, runner, owners, last_pos, x, last_rows, drafts) -> None:
+    def _chain(self, blocks, last_pos, x, last_rows, drafts, bs: int) -> None:
         """Depths 1..k-1: feed each draft and the previous depth's hidden state back in."""
         from mindspore import Tensor
 
-        bs = runner.block_size
         hidden = x[Tensor(last_rows.astype(np.int32))]
         for depth in range(1, self.k):
             pos = last_pos + depth
-            blocks = [runner.requests[r].block_ids for r in owners]
             if any(p // bs >= len(b) for p, b in zip(pos, blocks)):
                 return  # no reserved slot for the deeper draft: propose fewer
             width = max(len(b) for b in blocks)
-            tables = np.zeros((len(owners), width), np.int32)
+            tables = np.zeros((len(blocks), width), np.int32)
             for i, b in enumerate(blocks):
                 tables[i, : len(b)] = b
             slots = np.asarray([b[p // bs] * bs + p % bs for p, b in zip(pos, blocks)])
             toks = np.asarray([d[-1] for d in drafts])
-            n = len(owners)
+            n = len(blocks)
             hidden = self._run(depth, toks, pos, hidden, slots, tables, pos + 1, np.arange(n + 1), bs)
             for d, t in zip(drafts, self._draft(depth, hidden, np.arange(n))):
                 d.append(int(t))

@@ -22,7 +22,20 @@ logger = logging.getLogger(__name__)
 
 KV_CACHE_BYTES_ENV = "MS_VLLM_KV_CACHE_BYTES"
 DEFAULT_KV_CACHE_BYTES = 256 << 20
+COMPILE_CACHE_ENV = "MS_VLLM_COMPILE_CACHE"
+"""A directory for MindSpore's on-disk compile cache (off when unset)."""
 """KV cache size when neither kv_cache_memory_bytes nor $MS_VLLM_KV_CACHE_BYTES is given."""
+
+
+def compile_disabled_reason(vllm_config) -> str:
+    """Why this engine's steps run eagerly ("" when they are compiled)."""
+    if vllm_config.model_config.enforce_eager:
+        return "enforce_eager"
+    if vllm_config.lora_config is not None:
+        return "LoRA (adapter rows change per batch; not compiled yet)"
+    if vllm_config.parallel_config.world_size > 1:
+        return "tensor/expert parallel (the collectives run on torch gloo, outside MindSpore graphs)"
+    return ""
 
 
 class MindSporeWorker(WorkerBase):
@@ -134,10 +147,25 @@ class MindSporeWorker(WorkerBase):
         return int(explicit)
 
     def initialize_from_config(self, kv_cache_config) -> None:
-        self.runner.initialize_kv_cache(kv_cache_config.num_blocks)
+        flat = not compile_disabled_reason(self.vllm_config)  # the layout compiled steps write cheaply
+        self.runner.initialize_kv_cache(kv_cache_config.num_blocks, flat=flat)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
-        return CompilationTimes(language_model=0.0, encoder=0.0)
+        """Compile the prefill and decode buckets (compiled.py) unless the engine runs eagerly."""
+        from .buckets import BucketConfig
+
+        reason = compile_disabled_reason(self.vllm_config)
+        if reason:
+            logger.info("ms-vllm: steps run eagerly (%s)", reason)
+            return CompilationTimes(language_model=0.0, encoder=0.0)
+        runner = self.runner
+        sched = self.vllm_config.scheduler_config
+        default = BucketConfig.default(int(sched.max_num_seqs), runner.max_model_len, runner.block_size)
+        spec = dict((getattr(self.vllm_config, "additional_config", None) or {}).get("compile") or {})
+        cache_dir = spec.pop("cache_dir", None) or os.environ.get(COMPILE_CACHE_ENV)
+        config = BucketConfig.from_dict(spec, default)
+        times = runner.compile(config, progress=self.rank == 0, cache_dir=cache_dir)
+        return CompilationTimes(language_model=float(sum(times.values())), encoder=0.0)
 
     def get_supported_tasks(self):
         return ("generate",)
@@ -162,8 +190,12 @@ class MindSporeWorker(WorkerBase):
         return DraftTokenIds(req_ids, tokens)
 
     def ms_vllm_stats(self) -> dict:
-        """The runner's counters (for tests and benchmarks: `llm.collective_rpc("ms_vllm_stats")`)."""
-        return dict(self.runner.stats)
+        """The runner's counters (for tests and benchmarks: `llm.collective_rpc("ms_vllm_stats")`),
+        with `compile_s`: seconds per compiled bucket ({} when the steps run eagerly)."""
+        stats = dict(self.runner.stats)
+        stats["eager_reasons"] = dict(stats["eager_reasons"])
+        stats["compile_s"] = dict(self.runner.compiled.compile_s) if self.runner.compiled is not None else {}
+        return stats
 
     def ms_vllm_shard_info(self) -> dict:
         """What this rank holds (`llm.collective_rpc("ms_vllm_shard_info")`): its rank, parameter

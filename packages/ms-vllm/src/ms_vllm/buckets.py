@@ -1,0 +1,223 @@
+"""Shape buckets for compiled steps, and the plan that pads one engine step into them (numpy only).
+
+A `mindspore.jit` graph has fixed input shapes, so the runner compiles one graph per bucket, as
+vLLM captures one CUDA graph per batch size:
+
+- a decode bucket (B, C): B single-token requests whose contexts fit in C positions;
+- a prefill bucket (T, C): one request's chunk of up to T tokens, its context up to C (T <= C).
+
+`plan_step` splits a step's flat batch into parts: the single-token requests (in pieces of at most
+the largest decode size) and each longer chunk on its own. Requests never read each other's cache
+blocks within a step, so running the parts one after another is the same computation. A part
+that fits no bucket (a chunk longer than the largest prefill size, draft verification with several
+sampled rows) runs eagerly and is counted.
+
+`pad_part` pads a part to its bucket: padding tokens write a scratch block that no request owns
+(the runner allocates one block more than vLLM's count), padding requests have an empty query, and
+the logits rows are padded by repeating row 0. Padding therefore never writes a real cache slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class BucketError(ValueError):
+    """A bucket configuration or a padding request that cannot work."""
+
+
+def _pow2_upto(lo: int, hi: int) -> tuple[int, ...]:
+    out, v = [], lo
+    while v < hi:
+        out.append(v)
+        v *= 2
+    return tuple(out + [hi]) if hi >= lo else (hi,)
+
+
+@dataclass(frozen=True)
+class BucketConfig:
+    """The graph shapes compiled at start-up."""
+
+    decode_sizes: tuple[int, ...]
+    """Batch sizes B of the decode graphs (single-token requests)."""
+    prefill_sizes: tuple[int, ...]
+    """Token counts T of the prefill graphs (one request's chunk)."""
+    context_sizes: tuple[int, ...]
+    """Context lengths C (positions attended) the graphs are built for."""
+
+    def __post_init__(self) -> None:
+        for name in ("decode_sizes", "prefill_sizes", "context_sizes"):
+            sizes = getattr(self, name)
+            if not sizes or any(int(s) <= 0 for s in sizes) or list(sizes) != sorted(set(sizes)):
+                raise BucketError(f"{name}={sizes!r}: expected positive sizes in increasing order")
+        if self.prefill_sizes[0] > self.context_sizes[-1]:
+            raise BucketError(
+                f"prefill size {self.prefill_sizes[0]} exceeds the largest context size {self.context_sizes[-1]}"
+            )
+
+    @classmethod
+    def default(cls, max_num_seqs: int, max_model_len: int, block_size: int) -> BucketConfig:
+        """Powers of two: decode 1..min(max_num_seqs, 64), prefill 16..max_model_len, context
+        128..max_model_len (rounded up to whole blocks)."""
+        ctx_max = -(-max_model_len // block_size) * block_size
+        return cls(
+            decode_sizes=_pow2_upto(1, min(max_num_seqs, 64)),
+            prefill_sizes=_pow2_upto(min(16, ctx_max), ctx_max),
+            context_sizes=_pow2_upto(min(128, ctx_max), ctx_max),
+        )
+
+    @classmethod
+    def from_dict(cls, spec: dict, fallback: BucketConfig) -> BucketConfig:
+        """additional_config["compile"] = {"decode_sizes": [...], "prefill_sizes": [...], "context_sizes": [...]}."""
+        unknown = set(spec) - {"decode_sizes", "prefill_sizes", "context_sizes"}
+        if unknown:
+            raise BucketError(f"unknown compile options {sorted(unknown)}; expected decode/prefill/context_sizes")
+        kw = {k: tuple(int(v) for v in spec.get(k, getattr(fallback, k))) for k in ("decode_sizes", "prefill_sizes")}
+        kw["context_sizes"] = tuple(int(v) for v in spec.get("context_sizes", fallback.context_sizes))
+        return cls(**kw)
+
+    def buckets(self) -> list[Bucket]:
+        """Every bucket compiled at start-up: decode (B, C) for all pairs, prefill (T, C) with T <= C."""
+        out = [Bucket("decode", b, c) for c in self.context_sizes for b in self.decode_sizes]
+        out += [Bucket("prefill", t, c) for c in self.context_sizes for t in self.prefill_sizes if t <= c]
+        return out
+
+    def decode_bucket(self, n_seqs: int, context: int) -> Bucket | None:
+        b, c = _ceil_in(n_seqs, self.decode_sizes), _ceil_in(context, self.context_sizes)
+        return None if b is None or c is None else Bucket("decode", b, c)
+
+    def prefill_bucket(self, n_tokens: int, context: int) -> Bucket | None:
+        c = _ceil_in(context, self.context_sizes)
+        t = _ceil_in(n_tokens, [s for s in self.prefill_sizes if c is not None and s <= c])
+        return None if t is None or c is None else Bucket("prefill", t, c)
+
+
+def _ceil_in(n: int, sizes) -> int | None:
+    for s in sizes:
+        if s >= n:
+            return int(s)
+    return None
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One compiled shape."""
+
+    kind: str
+    """"decode" or "prefill"."""
+    size: int
+    """Requests B (decode) or tokens T (prefill)."""
+    context: int
+    """Context positions C."""
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of the padded flat batch."""
+        return self.size
+
+    @property
+    def seqs(self) -> int:
+        """Requests of the padded batch."""
+        return self.size if self.kind == "decode" else 1
+
+    @property
+    def query(self) -> int:
+        """Longest query (Q axis)."""
+        return 1 if self.kind == "decode" else self.size
+
+    @property
+    def rows(self) -> int:
+        """Logits rows computed in the graph."""
+        return self.seqs
+
+    def __str__(self) -> str:
+        return f"{self.kind}[{'B' if self.kind == 'decode' else 'T'}={self.size},C={self.context}]"
+
+
+@dataclass
+class Part:
+    """Some requests of a step, run by one model call."""
+
+    requests: list[int]
+    """Indices (in batch order) of the part's requests."""
+    bucket: Bucket | None
+    """Its compiled shape; None: it runs eagerly."""
+    reason: str = ""
+    """Why it has no bucket (for the eager-fallback counters)."""
+
+
+def plan_step(q_lens, seq_lens, n_sample_rows, config: BucketConfig) -> list[Part]:
+    """Split a step (per request: query length, context length after the step, sampled rows) into parts."""
+    q_lens, seq_lens, n_rows = (np.asarray(a, np.int64) for a in (q_lens, seq_lens, n_sample_rows))
+    parts: list[Part] = []
+    single = [i for i in range(len(q_lens)) if q_lens[i] == 1 and n_rows[i] <= 1]
+    biggest = config.decode_sizes[-1]
+    for k in range(0, len(single), biggest):
+        idx = single[k : k + biggest]
+        bucket = config.decode_bucket(len(idx), int(seq_lens[idx].max()))
+        parts.append(Part(idx, bucket, "" if bucket else f"context {int(seq_lens[idx].max())} > largest bucket"))
+    decodes = set(single)
+    for i in range(len(q_lens)):
+        if i in decodes or q_lens[i] == 0:
+            continue
+        if n_rows[i] > 1:
+            parts.append(Part([i], None, "several sampled rows (draft verification)"))
+            continue
+        bucket = config.prefill_bucket(int(q_lens[i]), int(seq_lens[i]))
+        reason = "" if bucket else f"chunk of {int(q_lens[i])} tokens, context {int(seq_lens[i])}: no bucket"
+        parts.append(Part([i], bucket, reason))
+    return parts
+
+
+@dataclass
+class PaddedPart:
+    """A part's inputs padded to its bucket (arrays for PagedMetadata.build and the graph)."""
+
+    input_ids: np.ndarray
+    """[T] token ids (0 for padding)."""
+    positions: np.ndarray
+    """[T] positions (0 for padding)."""
+    slot_mapping: np.ndarray
+    """[T] cache slots (padding: slots of the scratch block)."""
+    block_tables: np.ndarray
+    """[N, W] block tables (padding requests: the scratch block)."""
+    seq_lens: np.ndarray
+    """[N] context lengths (0 for padding requests)."""
+    query_start_loc: np.ndarray
+    """[N + 1] query starts (padding requests: empty queries at the end)."""
+    logits_rows: np.ndarray
+    """[R] flat rows whose logits the graph returns (padding: row 0)."""
+
+
+def pad_part(
+    input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc, logits_rows,
+    bucket: Bucket, scratch_block: int, block_size: int,
+) -> PaddedPart:  # fmt: skip
+    """Pad one part's flat inputs to `bucket`; padding writes only `scratch_block`."""
+    t, n = len(input_ids), len(seq_lens)
+    if t > bucket.tokens or n > bucket.seqs or len(logits_rows) > bucket.rows:
+        raise BucketError(f"{t} tokens / {n} requests / {len(logits_rows)} rows do not fit bucket {bucket}")
+    if n and int(np.max(seq_lens)) > bucket.context:
+        raise BucketError(f"context {int(np.max(seq_lens))} does not fit bucket {bucket}")
+    if np.any(np.asarray(block_tables) == scratch_block):
+        raise BucketError(f"a request owns the scratch block {scratch_block}")
+    extra_t, extra_n = bucket.tokens - t, bucket.seqs - n
+    scratch = scratch_block * block_size + np.arange(extra_t) % block_size
+    tables = np.asarray(block_tables, np.int32)
+    tables = tables.reshape(n, tables.shape[-1] if tables.ndim == 2 else 0)
+    width = max(tables.shape[1], 1)
+    padded_tables = np.full((bucket.seqs, width), scratch_block, np.int32)
+    padded_tables[:n, : tables.shape[1]] = tables
+    rows = np.zeros(bucket.rows, np.int32)
+    rows[: len(logits_rows)] = logits_rows
+    return PaddedPart(
+        input_ids=np.concatenate([np.asarray(input_ids, np.int32), np.zeros(extra_t, np.int32)]),
+        positions=np.concatenate([np.asarray(positions, np.int32), np.zeros(extra_t, np.int32)]),
+        slot_mapping=np.concatenate([np.asarray(slot_mapping, np.int32), scratch.astype(np.int32)]),
+        block_tables=padded_tables,
+        seq_lens=np.concatenate([np.asarray(seq_lens, np.int32), np.zeros(extra_n, np.int32)]),
+        query_start_loc=np.concatenate([np.asarray(query_start_loc, np.int32), np.full(extra_n, t, np.int32)]),
+        logits_rows=rows,
+    )

@@ -1,0 +1,135 @@
+"""Compiled model steps: one `mindspore.jit` graph per shape bucket (buckets.py is the pure plan).
+
+The graph is ms-models' `CausalLM.paged_step` (the body of `forward_paged`) run by `PagedStep`, a
+Cell holding the model and the paged caches (Parameters written by `ops.scatter_nd_update`), with
+the paged metadata passed as plain tensors: under jit only tensors and tuples of them stay typed
+(docs/mindspore-cpu.md §12). MindSpore keys its compiled graphs by input shapes, so each bucket
+compiles once, at start-up (`warm_up`, with a progress bar) on an all-padding batch that writes
+only the scratch block; a later call of the same bucket reuses the graph.
+
+MindSpore's on-disk compile cache (MS_COMPILER_CACHE_ENABLE / MS_COMPILER_CACHE_PATH) is used when
+a cache directory is given ($MS_VLLM_COMPILE_CACHE or additional_config["compile"]["cache_dir"]):
+the graphs go to a sub-directory keyed by everything they depend on (model config, buckets, cache
+blocks, block size, versions), because MindSpore numbers cached graphs by compile order. With the
+caches held by a Cell the cached graphs gave the eager logits; a plain function that captured the
+caches in a closure loaded from the cache gave NaN logits (docs/mindspore-cpu.md §12).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+
+import numpy as np
+from mindspore import ParameterTuple, jit, nn
+
+from .batch import StepBatch
+from .buckets import Bucket, BucketConfig, pad_part
+
+logger = logging.getLogger(__name__)
+
+
+class PagedStep(nn.Cell):
+    """model.paged_step over the caches it holds, compiled (one graph per input shape)."""
+
+    def __init__(self, model, kv_caches):
+        super().__init__()
+        self.lm = model
+        per_layer = [tuple(c) if isinstance(c, (tuple, list)) else (c,) for c in kv_caches]
+        self.per = len(per_layer[0])
+        self.n_layers = len(per_layer)
+        self.single = not isinstance(kv_caches[0], (tuple, list))
+        self.flat = ParameterTuple([p for layer in per_layer for p in layer])
+
+    @jit
+    def construct(self, input_ids, positions, logits_rows, write_index, write_rows, context_slots, query_rows,
+                  padded_rows, allowed, write_slots):  # fmt: skip
+        if self.single:
+            caches = tuple(self.flat[i] for i in range(self.n_layers))
+        else:
+            caches = tuple(tuple(self.flat[i * self.per + j] for j in range(self.per)) for i in range(self.n_layers))
+        meta = (write_index, write_rows, context_slots, query_rows, padded_rows, allowed, write_slots)
+        return self.lm.paged_step(input_ids, positions, caches, meta, logits_rows)
+
+
+def cache_key(model, config: BucketConfig, num_blocks: int, block_size: int) -> str:
+    """What the compiled graphs depend on, hashed (the compile-cache sub-directory)."""
+    import mindspore
+
+    from . import __version__
+
+    cfg = model.config
+    fields = cfg.to_dict() if hasattr(cfg, "to_dict") else vars(cfg)
+    blob = json.dumps(
+        [type(model).__name__, fields, config.buckets().__repr__(), num_blocks, block_size, mindspore.__version__,
+         __version__], sort_keys=True, default=str,
+    )  # fmt: skip
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def use_compile_cache(root: str, key: str) -> str:
+    """Point MindSpore's compile cache at root/key (made if missing); returns that directory."""
+    path = os.path.join(os.path.abspath(root), key)
+    os.makedirs(path, exist_ok=True)
+    os.environ["MS_COMPILER_CACHE_ENABLE"] = "1"
+    os.environ["MS_COMPILER_CACHE_PATH"] = path
+    return path
+
+
+class CompiledSteps:
+    """The compiled paged step of one model and its caches, for every bucket of a BucketConfig."""
+
+    def __init__(self, model, kv_caches, config: BucketConfig, block_size: int, scratch_block: int):
+        self.model = model
+        self.config = config
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.compile_s: dict[str, float] = {}
+        """Seconds of the first (compiling) call of each bucket."""
+        self._graph = PagedStep(model, kv_caches)
+
+    def run(self, batch: StepBatch, bucket: Bucket):
+        """(logits of the part's sample rows [R_real, V], hidden [T_real, H]) of one part, compiled."""
+        from mindspore import Tensor
+
+        from ms_models import PagedMetadata
+
+        rows = batch.logits_indices
+        p = pad_part(
+            batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens,
+            batch.query_start_loc, rows, bucket, self.scratch_block, self.block_size,
+        )  # fmt: skip
+        meta = PagedMetadata.build(
+            p.positions, p.slot_mapping, p.block_tables, p.seq_lens, p.query_start_loc, self.block_size,
+            query_len=bucket.query, context_len=bucket.context,
+        )  # fmt: skip
+        logits, hidden = self._graph(Tensor(p.input_ids), Tensor(p.positions), Tensor(p.logits_rows), *meta.tensors())
+        return logits[: len(rows)], hidden[: len(batch.input_ids)]
+
+    def warm_up(self, progress: bool = True) -> dict[str, float]:
+        """Compile every bucket (on all-padding batches: only the scratch block is written)."""
+        buckets = self.config.buckets()
+        bar = _progress(buckets, progress)
+        for bucket in bar:
+            none = np.zeros(0, np.int32)
+            empty = StepBatch([], none, none, none, np.zeros((0, 1), np.int32), none, np.zeros(1, np.int32), [], [])
+            t = time.perf_counter()
+            logits, _ = self.run(empty, bucket)
+            logits.asnumpy()
+            self.compile_s[str(bucket)] = round(time.perf_counter() - t, 3)
+        total = sum(self.compile_s.values())
+        logger.info("ms-vllm: compiled %d buckets in %.1f s", len(buckets), total)
+        return dict(self.compile_s)
+
+
+def _progress(items, enabled: bool):
+    if not enabled:
+        return items
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency of vLLM
+        return items
+    return tqdm(items, desc="ms-vllm: compiling buckets", unit="graph")

@@ -1,0 +1,80 @@
+"""Shape buckets and padding plans (numpy only): which bucket a part gets, how a step is split,
+and that padding writes only the scratch block."""
+
+from __future__ import annotations
+
+import pytest
+
+from ms_vllm.buckets import Bucket, BucketConfig, BucketError, pad_part, plan_step
+
+CONFIG = BucketConfig(decode_sizes=(1, 2, 4), prefill_sizes=(8, 16), context_sizes=(32, 96))
+
+
+def test_default_config_is_powers_of_two_up_to_the_limits():
+    c = BucketConfig.default(max_num_seqs=48, max_model_len=250, block_size=16)
+    assert c.decode_sizes == (1, 2, 4, 8, 16, 32, 48)
+    assert c.prefill_sizes == (16, 32, 64, 128, 256)
+    assert c.context_sizes == (128, 256)  # 250 rounded up to whole blocks
+    # prefill graphs only where the chunk fits its context: 4 of the 5 sizes under 128, all 5 under 256
+    assert len(c.buckets()) == 7 * 2 + 4 + 5
+
+
+def test_bad_configs_name_the_bad_value():
+    with pytest.raises(BucketError, match=r"decode_sizes=\(4, 2\)"):
+        BucketConfig(decode_sizes=(4, 2), prefill_sizes=(8,), context_sizes=(32,))
+    with pytest.raises(BucketError, match="prefill size 64 exceeds the largest context size 32"):
+        BucketConfig(decode_sizes=(1,), prefill_sizes=(64,), context_sizes=(32,))
+    with pytest.raises(BucketError, match="unknown compile options"):
+        BucketConfig.from_dict({"decode": [1]}, CONFIG)
+
+
+def test_bucket_choice_rounds_up():
+    assert CONFIG.decode_bucket(3, 40) == Bucket("decode", 4, 96)
+    assert CONFIG.decode_bucket(5, 10) is None  # more requests than the largest decode graph
+    assert CONFIG.prefill_bucket(9, 9) == Bucket("prefill", 16, 32)
+    assert CONFIG.prefill_bucket(17, 17) is None
+    assert CONFIG.decode_bucket(1, 97) is None
+
+
+def test_plan_splits_decodes_and_chunks():
+    # requests: decode, 12-token prefill, decode, draft verification (2 rows), decode x3, 40-token chunk
+    q_lens = [1, 12, 1, 2, 1, 1, 1, 40]
+    seq_lens = [30, 12, 60, 20, 5, 6, 7, 40]
+    rows = [1, 1, 1, 2, 1, 1, 1, 0]
+    parts = plan_step(q_lens, seq_lens, rows, CONFIG)
+    decode = [p for p in parts if p.bucket is not None and p.bucket.kind == "decode"]
+    assert [p.requests for p in decode] == [[0, 2, 4, 5], [6]]  # at most 4 per decode graph
+    assert decode[0].bucket == Bucket("decode", 4, 96) and decode[1].bucket == Bucket("decode", 1, 32)
+    by_req = {p.requests[0]: p for p in parts if p not in decode}
+    assert by_req[1].bucket == Bucket("prefill", 16, 32)
+    assert by_req[3].bucket is None and "draft" in by_req[3].reason
+    assert by_req[7].bucket is None and "40 tokens" in by_req[7].reason
+    assert sorted(i for p in parts for i in p.requests) == list(range(8))
+
+
+def test_padding_writes_only_the_scratch_block():
+    block, scratch = 4, 9
+    # two decodes: request A (blocks 3, 1) at position 5, request B (block 6) at position 2
+    p = pad_part(
+        input_ids=[11, 12],
+        positions=[5, 2],
+        slot_mapping=[1 * block + 1, 6 * block + 2],
+        block_tables=[[3, 1], [6, 0]],
+        seq_lens=[6, 3],
+        query_start_loc=[0, 1, 2],
+        logits_rows=[0, 1],
+        bucket=Bucket("decode", 4, 32),
+        scratch_block=scratch,
+        block_size=block,
+    )
+    assert p.input_ids.tolist() == [11, 12, 0, 0]
+    assert p.slot_mapping[:2].tolist() == [5, 26]
+    assert (p.slot_mapping[2:] // block == scratch).all()  # padding tokens: scratch slots only
+    assert p.seq_lens.tolist() == [6, 3, 0, 0]  # padding requests: empty context ...
+    assert p.query_start_loc.tolist() == [0, 1, 2, 2, 2]  # ... and empty queries
+    assert (p.block_tables[2:] == scratch).all()
+    assert p.logits_rows.tolist() == [0, 1, 0, 0]
+    with pytest.raises(BucketError, match="scratch block 9"):
+        pad_part([1], [0], [0], [[9]], [1], [0, 1], [0], Bucket("decode", 1, 32), scratch, block)
+    with pytest.raises(BucketError, match="context 40 does not fit"):
+        pad_part([1], [39], [0], [[1] * 10], [40], [0, 1], [0], Bucket("decode", 1, 32), scratch, block)

@@ -176,17 +176,22 @@ def _plot_models(plt, result):
 
 
 def _plot_pipeline(plt, result):
+    """Measured and simulated step of each variant at p = 2, and the simulated steps at more ranks."""
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
-    for name, color in (("1f1b", "tab:blue"), ("zbv", "tab:orange")):
-        rows = [r for r in result["rows"] if r["schedule"] == name]
-        m = [r["microbatches"] for r in rows]
-        ax1.plot(m, [r["step_min_s"] for r in rows], "-o", color=color, label=f"{name} measured")
-        ax1.plot(m, [r["predicted_makespan_s"] for r in rows], ":", color=color, label=f"{name} simulated")
-        ax2.plot(m, [r["measured_bubble"] for r in rows], "-o", color=color, label=f"{name} measured")
-        ax2.plot(m, [r["predicted_bubble"] for r in rows], ":", color=color, label=f"{name} simulated")
-    ax1.set(xlabel="microbatches", ylabel="step s", title="step time, 2 ranks")
-    ax2.set(xlabel="microbatches", ylabel="bubble (idle / makespan)", title="bubble")
+    rows = result["rows"]
+    names = [r["schedule"] for r in rows]
+    ax1.bar(range(len(rows)), [r["step_s"] for r in rows], color="tab:blue", label="measured")
+    predicted = [r.get("predicted_s") or 0.0 for r in rows]
+    ax1.plot(range(len(rows)), predicted, "o", color="tab:orange", label="simulated")
+    ax1.set_xticks(range(len(rows)), names, rotation=30, ha="right", fontsize=7)
+    ax1.set(ylabel="step s", title="p = 2, measured")
     ax1.legend(fontsize=7)
+    sim = result.get("simulated_rows") or []
+    for name in dict.fromkeys(r["schedule"] for r in sim):
+        pts = [r for r in sim if r["schedule"] == name]
+        ax2.plot([r["ranks"] for r in pts], [r["/1f1b"] for r in pts], "-o", label=name)
+    ax2.set(xlabel="ranks", ylabel="step / 1F1B", title="simulated from the measured costs")
+    ax2.legend(fontsize=7)
     return fig
 
 

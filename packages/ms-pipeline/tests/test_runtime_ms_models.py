@@ -61,10 +61,9 @@ def _rank(group, runs):
     return out
 
 
-def test_tiny_llama_pipelined_matches_single_process(run_ranks):
-    model, config = _llama()
-    assert not config.tie_word_embeddings and config.num_hidden_layers == 2
-    inputs, labels = _data(config.vocab_size)
+def _single_process(model, vocab):
+    """(mean loss over the microbatches, its gradient by parameter name): the unsplit model."""
+    inputs, labels = _data(vocab)
     params = model.trainable_params()
 
     def mean_loss():
@@ -75,7 +74,13 @@ def test_tiny_llama_pipelined_matches_single_process(run_ranks):
         return total / M
 
     loss, grads = ms.value_and_grad(mean_loss, None, params)()
-    reference = {p.name: g.asnumpy() for p, g in zip(params, grads)}
+    return float(loss.asnumpy()), {p.name: g.asnumpy() for p, g in zip(params, grads)}
+
+
+def test_tiny_llama_pipelined_matches_single_process(run_ranks):
+    model, config = _llama()
+    assert not config.tie_word_embeddings and config.num_hidden_layers == 2
+    loss, reference = _single_process(model, config.vocab_size)
     assert "model.layers.1.mlp.down_proj.weight" in reference  # HF names
 
     runs = [("1f1b", [2, 2]), ("zbv", [1, 1, 1, 1])]
@@ -84,7 +89,7 @@ def test_tiny_llama_pipelined_matches_single_process(run_ranks):
         seen = set()
         for rank_results in results:
             run_name, rank_loss, rank_grads = rank_results[i]
-            assert_close(rank_loss, float(loss.asnumpy()), RTOL, f"{run_name} loss")
+            assert_close(rank_loss, loss, RTOL, f"{run_name} loss")
             for key, g in rank_grads.items():
                 assert_close(g, reference[key], RTOL, f"{name} grad {key}")
                 seen.add(key)
@@ -107,18 +112,7 @@ def _model(arch, layers):
 
 def _reference(arch, layers):
     model, config = _model(arch, layers)
-    inputs, labels = _data(config.vocab_size)
-    params = model.trainable_params()
-
-    def mean_loss():
-        total = ms.Tensor(0.0)
-        for ids, y in zip(inputs, labels):
-            logits = model(ids)
-            total = total + ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        return total / M
-
-    loss, grads = ms.value_and_grad(mean_loss, None, params)()
-    return float(loss.asnumpy()), {p.name: g.asnumpy() for p, g in zip(params, grads)}
+    return _single_process(model, config.vocab_size)
 
 
 def _compiled_rank(group, layers):

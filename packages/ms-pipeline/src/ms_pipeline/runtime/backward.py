@@ -157,7 +157,6 @@ class ExplicitPasses:
         missing = [p.name for i, p in want.items() if i not in have]
         if missing:
             raise ScheduleError(f"stage {stage.index}: the explicit passes give no gradient for {missing}")
-        self.recompute = cell.recompute
         self._fns = fns  # compiled once per blocks and flags, shared by the stages built on them
         self.acc: list[np.ndarray] | None = None  # one accumulated gradient per entry of self.weights
 

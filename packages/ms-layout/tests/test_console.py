@@ -60,3 +60,12 @@ def test_limit_names_value_bound_and_variable(monkeypatch):
     monkeypatch.setenv("MS_TEST_MAX_RANKS", "lots")
     with pytest.raises(ValueError, match="MS_TEST_MAX_RANKS='lots' is not an integer"):
         lim.check(1)
+
+
+def test_debug_is_accepted_after_a_subcommand(capsys):
+    parser = argparse.ArgumentParser(prog="tool")
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("go")
+    with pytest.raises(LayoutError):
+        run_console("tool", parser, lambda a: _body(argparse.Namespace(what="layout")), ["go", "--debug"])
+    assert run_console("tool", parser, lambda a: _body(argparse.Namespace(what="layout")), ["go"]) == 2

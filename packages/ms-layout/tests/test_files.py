@@ -170,3 +170,10 @@ def test_manifest_detects_damage(tmp_path):
     (tmp_path / "manifest.json").write_text('{"files": ')
     with pytest.raises(FileError, match="not valid JSON"):
         files.verify_manifest(tmp_path)
+
+
+@pytest.mark.parametrize("text", ["[" * 100000, "1" * 5000])
+def test_read_json_pathological_documents(tmp_path, text):
+    (tmp_path / "m.json").write_text(text)
+    with pytest.raises(FileError, match="m.json"):
+        files.read_json(tmp_path / "m.json")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from . import console, files, limits
 from .errors import CommError, LayoutError, RankFailedError
 from .layout import NONE, Layout
 from .mindspore_compat import from_mindspore, to_mindspore
@@ -29,9 +30,12 @@ __all__ = [
     "RankFailedError",
     "Role",
     "comm",
+    "console",
     "dumps",
+    "files",
     "from_mindspore",
     "layer_stages",
+    "limits",
     "loads",
     "optimizer_layout",
     "param_placement",

@@ -28,6 +28,16 @@ def _message(exc: BaseException) -> str:
     return " ".join(text.split()) if "\n" not in text.strip() else text.strip()
 
 
+def _add_debug(parser: argparse.ArgumentParser, default: object) -> None:
+    """``--debug`` on the parser and on every subcommand (so it may come before or after it)."""
+    if not any("--debug" in a.option_strings for a in parser._actions):
+        parser.add_argument("--debug", action="store_true", default=default, help="show the traceback of an error")
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _add_debug(sub, argparse.SUPPRESS)
+
+
 def run_console(
     prog: str,
     parser: argparse.ArgumentParser,
@@ -36,8 +46,7 @@ def run_console(
     expected: tuple[type[BaseException], ...] = (),
 ) -> int:
     """Run a console script's `body`; returns its exit code (0 when it returns None)."""
-    if not any("--debug" in a.option_strings for a in parser._actions):
-        parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    _add_debug(parser, default=False)
     args = parser.parse_args(None if argv is None else list(argv))
     debug = bool(getattr(args, "debug", False)) or os.environ.get("MS_TOOLKIT_DEBUG") == "1"
     try:

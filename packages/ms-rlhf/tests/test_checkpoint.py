@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -33,19 +34,22 @@ def test_corruption_and_wrong_world_size_are_refused(tmp_path):
     data = bytearray(open(blob, "rb").read())
     data[-1] ^= 0xFF
     open(blob, "wb").write(bytes(data))
-    with pytest.raises(CheckpointError, match="does not match its manifest checksum"):
+    with pytest.raises(CheckpointError, match="rank_00000.safetensors. does not match its sha256"):
         checkpoint.load(path, 0, 1)
 
 
 def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path):
     group = SingleProcessGroup()
     good = checkpoint.save(tmp_path, 1, {"w": np.ones(2, np.float32)}, {"step": 1}, group)
-    # a save killed half way: its temporary directory exists, LATEST still names step 1
-    os.makedirs(tmp_path / ".step_000002.tmp")
-    (tmp_path / ".step_000002.tmp" / checkpoint.rank_file(0)).write_bytes(b"partial")
+    # saves killed half way (this version's temporary name and 0.1's): LATEST still names step 1
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for stale in (f".step_000002.tmp-{dead.pid}-x1", ".step_000002.tmp"):
+        os.makedirs(tmp_path / stale)
+        (tmp_path / stale / checkpoint.rank_file(0)).write_bytes(b"partial")
     assert checkpoint.latest(tmp_path) == good
     assert checkpoint.resolve(tmp_path) == good
     checkpoint.save(tmp_path, 2, {"w": np.zeros(2, np.float32)}, {"step": 2}, group)
-    assert not (tmp_path / ".step_000002.tmp").exists()
+    assert sorted(os.listdir(tmp_path)) == ["LATEST", "step_000001", "step_000002"]
     with pytest.raises(CheckpointError, match="no checkpoint"):
         checkpoint.resolve(tmp_path / "nowhere")

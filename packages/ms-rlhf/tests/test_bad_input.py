@@ -423,22 +423,45 @@ CLI_CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("argv, config, env, message", CLI_CASES, ids=[f"{i:02d}" for i in range(len(CLI_CASES))])
-def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, argv, config, env, message):
+def _run_cli(tmp_path, argv, config, env, message):
     cfg = _config(tmp_path, config) if config is not None else ""
     if "{cfg}/missing.json" in argv:
         cfg = str(tmp_path)
-    argv = [a.replace("{cfg}", cfg) for a in argv]
+    argv = [a.replace("{cfg}", cfg).replace("{tmp}", str(tmp_path)) for a in argv]
     out = subprocess.run(
         [sys.executable, "-m", "ms_rlhf.cli", *argv],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
         env={**os.environ, **env},
     )
     assert out.returncode == 2, out.stderr
     assert out.stdout == ""
     lines = out.stderr.splitlines()
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
-    want = f"ms-rlhf: error: {message.replace('{cfg}', cfg)}"
-    assert lines[0] == want
+    assert lines[0] == f"ms-rlhf: error: {message.replace('{cfg}', cfg).replace('{tmp}', str(tmp_path))}"
+
+
+@pytest.mark.parametrize("argv, config, env, message", CLI_CASES, ids=[f"{i:02d}" for i in range(len(CLI_CASES))])
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, argv, config, env, message):
+    _run_cli(tmp_path, argv, config, env, message)
+
+
+CLI_RESUME_CASES = [
+    (["train", "--config", "{cfg}", "--resume", "{cfg}"], {}, {}, "checkpoint directory '{cfg}' is not a folder"),
+    (["train", "--config", "{cfg}", "--resume", "{tmp}/none"], {}, {},
+     "no checkpoint at '{tmp}/none' (no manifest.json, no step_NNNNNN folder)"),
+    (["train", "--config", "{cfg}", "--resume", "auto"], {"checkpoint_dir": "{tmp}/ck"}, {},
+     "no checkpoint under '{tmp}/ck' verifies (LATEST: {tmp}/ck/LATEST names '../../../../etc', not a step_NNNNNN "
+     "folder inside '{tmp}/ck')"),
+]  # fmt: skip
+
+
+@pytest.mark.needs_mindspore  # `train` imports MindSpore (to set the device) before it resolves --resume
+@pytest.mark.parametrize("argv, config, env, message", CLI_RESUME_CASES, ids=["file", "missing", "latest-escape"])
+def test_cli_bad_resume_is_one_line_and_exit_2(tmp_path, argv, config, env, message):
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "LATEST").write_text("../../../../etc")
+    if config:
+        config = {k: v.replace("{tmp}", str(tmp_path)) for k, v in config.items()}
+    _run_cli(tmp_path, argv, config, env, message)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from ms_layout.limits import Limit
 
-MAX_PACK_SAMPLES = Limit("MS_RLHF_MAX_PACK_SAMPLES", 20_000, "samples in one packing")
-"""The greedy packers are quadratic in the number of samples: 20,000 take a few seconds."""
+MAX_PACK_SAMPLES = Limit("MS_RLHF_MAX_PACK_SAMPLES", 8192, "samples in one packing")
+"""The greedy packers are quadratic in the number of samples: 5,000 took 3 s, 20,000 took 36 s."""
 MAX_SEQ_LEN = Limit("MS_RLHF_MAX_SEQ_LEN", 1 << 20, "tokens per sequence")
 """max_pack_len, max_new_tokens and block_size: padded batches allocate rows of this length."""
 MAX_ROLLOUT_SAMPLES = Limit("MS_RLHF_MAX_ROLLOUT_SAMPLES", 1 << 18, "samples per rollout")

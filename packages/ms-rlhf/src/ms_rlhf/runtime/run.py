@@ -82,13 +82,14 @@ def train(
 ) -> dict:
     """Run `config.steps` steps (counting the resumed ones) and return a JSON-able summary."""
     from .group import world_group
-    from .trainer import GRPOTrainer
 
     start = time.perf_counter()
     group = world_group(group)
-    path, skipped = _resume_path(config, resume, group)  # before the (slow) model build
+    path, skipped = _resume_path(config, resume, group)  # before the (slow) imports and model build
     if path is not None:
         _check_same_run(config, _saved_config(path))
+    from .trainer import GRPOTrainer
+
     trainer = GRPOTrainer(config, group)
     if path is not None:
         trainer.load_checkpoint(path)

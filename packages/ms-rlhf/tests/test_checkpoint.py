@@ -53,3 +53,30 @@ def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["LATEST", "step_000001", "step_000002"]
     with pytest.raises(CheckpointError, match="no checkpoint"):
         checkpoint.resolve(tmp_path / "nowhere")
+
+
+def _two_rank_save_and_resume(group, root):
+    from ms_rlhf import TrainConfig
+    from ms_rlhf.runtime.run import _resume_path
+
+    for step, value in ((4, 1.0), (4, 2.0), (5, 3.0)):  # (4, 2.0): the re-save of a step
+        arrays = {"w": np.full(3, value + group.rank, np.float32)}
+        checkpoint.save(root, step, arrays, {"step": step} if group.rank == 0 else None, group)
+    if group.rank == 0:  # step 5 damaged: every rank must still agree on step 4
+        with open(os.path.join(root, "step_000005", checkpoint.rank_file(1)), "r+b") as f:
+            f.write(b"X")
+    group.barrier()
+    path, skipped = _resume_path(TrainConfig(checkpoint_dir=str(root)), "auto", group)
+    arrays, state = checkpoint.load(path, group.rank, group.size)
+    return path, [s["checkpoint"] for s in skipped], arrays["w"].tolist(), state
+
+
+@pytest.mark.needs_torch
+def test_two_ranks_save_resave_and_agree_on_the_fallback(run_ranks, tmp_path):
+    results = run_ranks(_two_rank_save_and_resume, nprocs=2, backend="gloo", timeout=300, args=(str(tmp_path),))
+    path = str(tmp_path / "step_000004")
+    assert results[0] == (path, ["step_000005"], [2.0] * 3, {"step": 4})
+    assert results[1] == (path, [], [3.0] * 3, {"step": 4})  # rank 1 follows rank 0's choice
+    assert sorted(os.listdir(tmp_path)) == ["LATEST", "step_000004", "step_000005"]
+    assert sorted(checkpoint.read_manifest(path)["files"]) == ["rank_00000.safetensors", "rank_00001.safetensors",
+                                                               "state.json"]  # fmt: skip

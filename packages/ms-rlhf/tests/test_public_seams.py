@@ -11,8 +11,9 @@ import ms_rlhf
 SIBLINGS = ("ms_layout", "ms_models", "ms_reshard", "ms_vllm")
 # `from ms_reshard.execute import x` or `import ms_reshard.execute`. Allowed: `ms_layout.comm` (in
 # ms-layout's __all__) and `ms_layout.serialization`, whose `register` is the documented hook for
-# other packages' msgpack kinds.
-ALLOWED = {("ms_layout", "serialization")}
+# other packages' msgpack kinds, and the modules every package shares for files, limits and console
+# errors (issue 16: ms_layout.files, ms_layout.limits, ms_layout.console).
+ALLOWED = {("ms_layout", "serialization"), ("ms_layout", "files"), ("ms_layout", "limits"), ("ms_layout", "console")}
 PRIVATE = re.compile(rf"^\s*(?:from|import)\s+({'|'.join(SIBLINGS)})\.(\w+)", re.M)
 
 

@@ -2,7 +2,8 @@
 and bit-exact resume.
 
 The core -- sampling.py (where rollout requests run), balance.py (Karmarkar-Karp partitions),
-packing.py (``pack``), loss.py (the loss algebra), tasks.py, config.py -- needs numpy only. The
+packing.py (``pack``), loss.py (the loss algebra), tasks.py, config.py -- needs numpy and ms-layout's
+core (files, limits, console: numpy and msgpack). The
 trainer lives in ``ms_rlhf.runtime`` (MindSpore, ms-models, ms-reshard, ms-layout) and is loaded
 on first use of its names.
 """

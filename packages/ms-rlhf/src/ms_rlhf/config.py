@@ -8,12 +8,24 @@ checkpoints store.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from ms_layout.files import FileError, read_capped
+
 from .errors import RLHFError
+from .limits import (
+    MAX_CONFIG_BYTES,
+    MAX_DATASET_SIZE,
+    MAX_MODEL_DIM,
+    MAX_ROLLOUT_INSTANCES,
+    MAX_ROLLOUT_SAMPLES,
+    MAX_SEQ_LEN,
+)
 from .loss import AGGREGATIONS
+from .tasks import make_task
 
 DEFAULT_MODEL = {
     "arch": "llama",
@@ -100,49 +112,45 @@ class TrainConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raise RLHFError on a value that cannot run."""
-        positive = (
-            "dataset_size",
-            "steps",
-            "prompts_per_step",
-            "samples_per_prompt",
-            "max_new_tokens",
-            "updates_per_rollout",
-            "max_pack_len",
-            "micro_batch_size",
-            "rollout_instances",
-            "block_size",
-            "keep_checkpoints",
-        )
-        for name in positive:
+        """Raise RLHFError on a value that cannot run (a wrong type, out of range, over a limit)."""
+        for name in _POSITIVE:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise RLHFError(f"config {name}={value!r}: expected a positive int")
+                raise RLHFError(f"config {name}={_show(value)}: expected a positive int")
         for name in ("checkpoint_every", "ref_sync_every", "seed"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise RLHFError(f"config {name}={value!r}: expected an int >= 0")
-        for name in ("lr", "temperature"):
-            if not float(getattr(self, name)) > 0:
-                raise RLHFError(f"config {name}={getattr(self, name)!r}: expected > 0")
-        for name in ("max_grad_norm", "clip_eps", "kl_coef"):
-            if not float(getattr(self, name)) >= 0:
-                raise RLHFError(f"config {name}={getattr(self, name)!r}: expected >= 0")
-        if self.loss_aggregation not in AGGREGATIONS:
-            raise RLHFError(f"config loss_aggregation={self.loss_aggregation!r}: expected one of {AGGREGATIONS}")
-        if self.rollout_strategy not in ("uniform", "contiguous", "balanced"):
-            raise RLHFError(f"config rollout_strategy={self.rollout_strategy!r}: expected uniform/contiguous/balanced")
-        if self.rollout_engine not in ("embedded", "vllm"):
-            raise RLHFError(f"config rollout_engine={self.rollout_engine!r}: expected 'embedded' or 'vllm'")
-        if self.rollout_mode not in ("auto", "paged", "jit"):
-            raise RLHFError(f"config rollout_mode={self.rollout_mode!r}: expected 'auto', 'paged' or 'jit'")
-        if self.max_pack_count is not None and (not isinstance(self.max_pack_count, int) or self.max_pack_count < 1):
-            raise RLHFError(f"config max_pack_count={self.max_pack_count!r}: expected a positive int or null")
+                raise RLHFError(f"config {name}={_show(value)}: expected an int >= 0")
+        for name, limit in _LIMITED.items():
+            limit.check(getattr(self, name), f"config {name}", RLHFError)
+        MAX_ROLLOUT_SAMPLES.check(
+            self.prompts_per_step * self.samples_per_prompt, "config prompts_per_step * samples_per_prompt", RLHFError
+        )
+        for name, above in (("lr", 0.0), ("temperature", 0.0), ("max_grad_norm", None), ("clip_eps", None)):
+            _number(self, name, above)  # above=None: >= 0
+        _number(self, "kl_coef", None)
+        for name in ("packing", "optimizer_shard", "jit"):
+            if not isinstance(getattr(self, name), bool):
+                raise RLHFError(f"config {name}={_show(getattr(self, name))}: expected true or false")
+        for name in ("checkpoint_dir", "model_path"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value or "\x00" in value):
+                raise RLHFError(f"config {name}={_show(value)}: expected a path or null")
+        for name, choices in _CHOICES.items():
+            if not isinstance(getattr(self, name), str) or getattr(self, name) not in choices:
+                raise RLHFError(f"config {name}={_show(getattr(self, name))}: expected one of {list(choices)}")
+        count = self.max_pack_count
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+            raise RLHFError(f"config max_pack_count={_show(count)}: expected a positive int or null")
         if self.prompts_per_step * self.samples_per_prompt % self.updates_per_rollout:
             raise RLHFError(
                 f"config updates_per_rollout={self.updates_per_rollout} must divide the "
                 f"{self.prompts_per_step * self.samples_per_prompt} samples of a rollout"
             )
+        if not isinstance(self.task_params, dict):
+            raise RLHFError(f"config task_params={_show(self.task_params)}: expected an object")
+        make_task(self.task, **self.task_params)  # the task checks its own parameters
+        _check_model(self.model)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON-able)."""
@@ -152,7 +160,7 @@ class TrainConfig:
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         """Build from plain data; unknown keys are an error naming them."""
         if not isinstance(data, dict):
-            raise RLHFError(f"config must be a mapping, got {type(data).__name__}")
+            raise RLHFError(f"config must be an object (a mapping of keys), got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -167,22 +175,88 @@ def load_config(path: str | os.PathLike, overrides: dict[str, Any] | None = None
     """Read a TrainConfig from a .json or .toml file, then apply `overrides`."""
     path = os.fspath(path)
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        raw = read_capped(path, MAX_CONFIG_BYTES.value, "config")
+    except FileError as exc:  # missing, a folder, or over the limit
+        hint = f" (raise it with {MAX_CONFIG_BYTES.env}=N)" if "over the limit" in str(exc) else ""
+        raise RLHFError(f"{exc}{hint}") from None
     except OSError as exc:
         raise RLHFError(f"cannot read config {path!r}: {exc.strerror}") from None
-    if path.endswith(".toml"):
-        try:
-            import tomllib
-        except ImportError:  # Python < 3.11
-            raise RLHFError("TOML configs need Python >= 3.11; use JSON") from None
-        try:
-            data = tomllib.loads(raw.decode())
-        except tomllib.TOMLDecodeError as exc:
-            raise RLHFError(f"config {path!r} is not valid TOML: {exc}") from None
-    else:
-        try:
-            data = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise RLHFError(f"config {path!r} is not valid JSON: {exc}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RLHFError(f"config {path!r} is not UTF-8 text (byte {exc.start})") from None
+    kind = "TOML" if path.endswith(".toml") else "JSON"
+    try:
+        if kind == "TOML":
+            import tomllib  # Python >= 3.11
+
+            data = tomllib.loads(text)
+        else:
+            data = json.loads(text)
+    except ImportError:
+        raise RLHFError("TOML configs need Python >= 3.11; use JSON") from None
+    except RecursionError:
+        raise RLHFError(f"config {path!r} is not valid {kind}: nested too deeply") from None
+    except ValueError as exc:  # the decoders' errors, a 5,000-digit int
+        raise RLHFError(f"config {path!r} is not valid {kind}: {' '.join(str(exc).split())[:200]}") from None
+    if not isinstance(data, dict):
+        raise RLHFError(f"config {path!r} holds a {type(data).__name__}; expected an object of config keys")
     return TrainConfig.from_dict({**data, **(overrides or {})})
+
+
+_POSITIVE = (
+    "dataset_size",
+    "steps",
+    "prompts_per_step",
+    "samples_per_prompt",
+    "max_new_tokens",
+    "updates_per_rollout",
+    "max_pack_len",
+    "micro_batch_size",
+    "rollout_instances",
+    "block_size",
+    "keep_checkpoints",
+)
+_LIMITED = {
+    "dataset_size": MAX_DATASET_SIZE,
+    "max_new_tokens": MAX_SEQ_LEN,
+    "max_pack_len": MAX_SEQ_LEN,
+    "block_size": MAX_SEQ_LEN,
+    "micro_batch_size": MAX_ROLLOUT_SAMPLES,
+    "rollout_instances": MAX_ROLLOUT_INSTANCES,
+}
+_CHOICES = {
+    "loss_aggregation": AGGREGATIONS,
+    "rollout_strategy": ("uniform", "contiguous", "balanced"),
+    "rollout_engine": ("embedded", "vllm"),
+    "rollout_mode": ("auto", "paged", "jit"),
+}
+
+
+def _show(value: Any) -> str:
+    """A value for an error message: its repr, cut short."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**100 else f"<int of {len(str(value))} digits>"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _number(config: TrainConfig, name: str, above: float | None) -> None:
+    value = getattr(config, name)
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not ok or (value <= above if above is not None else value < 0):
+        want = f"a finite number > {above:g}" if above is not None else "a finite number >= 0"
+        raise RLHFError(f"config {name}={_show(value)}: expected {want}")
+
+
+def _check_model(model: Any) -> None:
+    """The `model` overrides: an object of plain values, integers within MS_RLHF_MAX_MODEL_DIM."""
+    if not isinstance(model, dict):
+        raise RLHFError(f"config model={_show(model)}: expected an object of ms_models config fields")
+    if not isinstance(model.get("arch", "llama"), str):
+        raise RLHFError(f"config model.arch={_show(model['arch'])}: expected a name such as 'llama'")
+    for key, value in model.items():
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value < 0:
+                raise RLHFError(f"config model.{key}={value}: expected an int >= 0")
+            MAX_MODEL_DIM.check(value, f"config model.{key}", RLHFError)
+        elif value is not None and not isinstance(value, (bool, float, str)):
+            raise RLHFError(f"config model.{key}={_show(value)}: expected a number, a string, true/false or null")

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from .errors import PackingError
+from .limits import MAX_PACK_SAMPLES
 
 NODE_LIMIT = 50_000
 """Branch-and-bound nodes per call: a few tens of ms in Python, enough to settle most RL batches."""
@@ -48,6 +49,29 @@ def _check(lengths: Sequence[int], max_pack_len: int, max_pack_count: int | None
             f"samples are never truncated: raise max_pack_len or drop the sample"
         )
     return arr, max(int(count), 1)
+
+
+def fields_of(data: Any, kind: str, required: Sequence[str], error: type[Exception] = PackingError) -> dict:
+    """`data` as a dict holding `required` keys and version 1 (a plain-data form read back)."""
+    if not isinstance(data, dict):
+        raise error(f"{kind} data is {type(data).__name__}, expected an object")
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise error(f"{kind} data lacks {missing}")
+    version = data.get("version", 1)
+    if isinstance(version, bool) or version != 1:
+        raise error(f"{kind} data has version {version!r:.40}; this reader knows version 1")
+    return data
+
+
+def int_list(value: Any, what: str, error: type[Exception] = PackingError) -> tuple[int, ...]:
+    """A list of plain ints (no bools, floats or strings), as a tuple."""
+    if not isinstance(value, (list, tuple)):
+        raise error(f"{what}: expected a list of ints, got {type(value).__name__}")
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise error(f"{what}: {v!r:.40} is not an int")
+    return tuple(int(v) for v in value)
 
 
 # ---------------------------------------------------------------------------------------- bounds
@@ -223,15 +247,27 @@ class PackPlan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PackPlan:
-        """Inverse of to_dict; validates the packs against the limits."""
+        """Inverse of to_dict; checks every field's type and validates the packs against the limits."""
+        data = fields_of(data, "PackPlan", ("packs", "lengths", "max_pack_len", "max_pack_count", "lower_bound"))
+        lengths = int_list(data["lengths"], "PackPlan lengths")
+        MAX_PACK_SAMPLES.check(len(lengths), "PackPlan len(lengths)", PackingError)
+        packs = data["packs"]
+        if not isinstance(packs, (list, tuple)) or len(packs) > max(len(lengths), 1):
+            raise PackingError(f"PackPlan packs: expected a list of at most {len(lengths)} packs")
+        ints = {k: int_list([data[k]], f"PackPlan {k}")[0] for k in ("max_pack_len", "max_pack_count", "lower_bound")}
+        optimal, method = data.get("optimal", False), data.get("method", "")
+        if not isinstance(optimal, bool) or not isinstance(method, str):
+            raise PackingError(
+                f"PackPlan optimal={optimal!r:.40} / method={method!r:.40}: expected a bool and a string"
+            )
         plan = cls(
-            tuple(tuple(int(i) for i in p) for p in data["packs"]),
-            tuple(int(n) for n in data["lengths"]),
-            int(data["max_pack_len"]),
-            int(data["max_pack_count"]),
-            int(data["lower_bound"]),
-            bool(data["optimal"]),
-            str(data.get("method", "")),
+            tuple(int_list(p, f"PackPlan pack {k}") for k, p in enumerate(packs)),
+            lengths,
+            ints["max_pack_len"],
+            ints["max_pack_count"],
+            ints["lower_bound"],
+            optimal,
+            method,
         )
         validate(plan)
         return plan

@@ -27,6 +27,8 @@ import numpy as np
 
 from .balance import loads, partition
 from .errors import RLHFError
+from .limits import MAX_ROLLOUT_INSTANCES, MAX_ROLLOUT_SAMPLES
+from .packing import fields_of, int_list
 
 T = TypeVar("T")
 
@@ -104,11 +106,17 @@ class Assignment:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Assignment:
-        """Inverse of to_dict."""
+        """Inverse of to_dict; checks every field's type."""
+        data = fields_of(data, "Assignment", ("instances", "num_requests"), RLHFError)
+        (num,) = int_list([data["num_requests"]], "Assignment num_requests", RLHFError)
+        MAX_ROLLOUT_SAMPLES.check(num, "Assignment num_requests", RLHFError)
+        instances, strategy = data["instances"], data.get("strategy", "")
+        if not isinstance(instances, (list, tuple)) or len(instances) > MAX_ROLLOUT_INSTANCES.value:
+            raise RLHFError(f"Assignment instances: expected a list of at most {MAX_ROLLOUT_INSTANCES.value} lists")
+        if not isinstance(strategy, str):
+            raise RLHFError(f"Assignment strategy={strategy!r:.40}: expected a string")
         return cls(
-            tuple(tuple(int(r) for r in i) for i in data["instances"]),
-            int(data["num_requests"]),
-            str(data.get("strategy", "")),
+            tuple(int_list(i, f"Assignment instance {k}", RLHFError) for k, i in enumerate(instances)), num, strategy
         )
 
     def __str__(self) -> str:

@@ -1,8 +1,9 @@
 """PackPlan and Assignment in ms-layout's versioned msgpack envelope, when ms-layout is installed.
 
 ``ms_layout.dumps(plan)`` / ``ms_layout.loads(blob)`` then work for the kinds "PackPlan" and
-"Assignment" (their to_dict carries its own version field too). The core stays numpy-only: without
-ms-layout nothing is registered and ``to_dict``/``from_dict`` remain available.
+"Assignment" (their to_dict carries its own version field too). ``from_dict`` checks every field's
+type, so a damaged or hostile blob is a LayoutError (carrying the RLHFError that names the field).
+Without ms-layout nothing is registered and ``to_dict``/``from_dict`` remain available.
 """
 
 from __future__ import annotations

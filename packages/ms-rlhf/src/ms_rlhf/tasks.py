@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .errors import RLHFError
+from .limits import MAX_OPERAND, MAX_TASK_LEN
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 
@@ -103,8 +104,12 @@ class ReverseTask(Task):
     name = "reverse"
 
     def __init__(self, alphabet: str = "abcd", min_len: int = 2, max_len: int = 4):
-        if not 1 <= min_len <= max_len:
-            raise RLHFError(f"reverse task needs 1 <= min_len <= max_len, got {min_len}, {max_len}")
+        if not isinstance(alphabet, str) or not alphabet or "=" in alphabet:
+            raise RLHFError(f"reverse task alphabet={alphabet!r:.80}: expected a non-empty string without '='")
+        MAX_TASK_LEN.check(len(alphabet), "reverse task len(alphabet)", RLHFError)
+        if not _is_int(min_len) or not _is_int(max_len) or not 1 <= min_len <= max_len:
+            raise RLHFError(f"reverse task needs ints 1 <= min_len <= max_len, got {min_len!r:.40}, {max_len!r:.40}")
+        MAX_TASK_LEN.check(max_len, "reverse task max_len", RLHFError)
         self.chars = alphabet + "="
         super().__init__(alphabet=alphabet, min_len=min_len, max_len=max_len)
         self.alphabet, self.min_len, self.max_len = alphabet, min_len, max_len
@@ -125,8 +130,9 @@ class AddTask(Task):
     chars = "0123456789+="
 
     def __init__(self, max_operand: int = 9):
-        if max_operand < 1:
-            raise RLHFError(f"add task needs max_operand >= 1, got {max_operand}")
+        if not _is_int(max_operand) or max_operand < 1:
+            raise RLHFError(f"add task needs an int max_operand >= 1, got {max_operand!r:.40}")
+        MAX_OPERAND.check(max_operand, "add task max_operand", RLHFError)
         super().__init__(max_operand=max_operand)
         self.max_operand = max_operand
 
@@ -141,10 +147,14 @@ class AddTask(Task):
 TASKS = {"reverse": ReverseTask, "add": AddTask}
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def make_task(name: str, **params: Any) -> Task:
     """A task by name ("reverse", "add") with its parameters."""
-    if name not in TASKS:
-        raise RLHFError(f"unknown task {name!r}; expected one of {sorted(TASKS)}")
+    if not isinstance(name, str) or name not in TASKS:
+        raise RLHFError(f"unknown task {name!r:.80}; expected one of {sorted(TASKS)}")
     try:
         return TASKS[name](**params)
     except TypeError as exc:

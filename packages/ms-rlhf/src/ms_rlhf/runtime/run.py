@@ -9,7 +9,7 @@ from typing import Callable
 
 from .. import checkpoint
 from ..config import TrainConfig
-from ..errors import RLHFError
+from ..errors import CheckpointError, RLHFError
 
 log = logging.getLogger("ms_rlhf")
 
@@ -17,14 +17,53 @@ log = logging.getLogger("ms_rlhf")
 RESUMABLE_CHANGES = {"steps", "checkpoint_dir", "checkpoint_every", "keep_checkpoints"}
 
 
-def _resume_path(config: TrainConfig, resume: str | None) -> str | None:
+def _resume_path(config: TrainConfig, resume: str | None, group) -> tuple[str | None, list[dict[str, str]]]:
+    """The checkpoint to resume from and the ones skipped on the way; rank 0 looks (verifying every
+    file), the others follow its choice so all ranks load the same step."""
     if resume is None:
+        return None, []
+    if resume == "auto" and not config.checkpoint_dir:
+        raise RLHFError("--resume auto needs checkpoint_dir in the config")
+    where = config.checkpoint_dir if resume == "auto" else resume
+    found, skipped, error = None, [], None
+    if group.rank == 0:
+        try:
+            if resume != "auto" and os.path.isfile(os.path.join(where, "manifest.json")):
+                found = where  # one checkpoint, named on purpose: load verifies it, no fallback
+            else:
+                found, skipped = checkpoint.newest_valid(where)  # None: nothing saved yet
+                if found is None and resume != "auto":
+                    raise CheckpointError(f"no checkpoint at {where!r} (no manifest.json, no step_NNNNNN folder)")
+        except RLHFError as exc:
+            error = exc
+    if group.size > 1:
+        found = _follow_rank0(group, where, found, error)
+    if error is not None:
+        raise error
+    return found, skipped
+
+
+def _follow_rank0(group, where: str, found: str | None, error: Exception | None) -> str | None:
+    """Rank 0's choice (a step, none, or an error) on every rank."""
+    import numpy as np
+
+    if error is not None:
+        code = -2
+    elif found is None:
+        code = -1
+    else:
+        code = checkpoint.read_manifest(found)["step"]
+    choice = np.array([code], np.int64)
+    group.broadcast(choice, src=0)
+    if group.rank == 0:
+        return found
+    if choice[0] == -2:
+        raise CheckpointError(f"rank 0 found no checkpoint to resume from under {where!r}")
+    if choice[0] == -1:
         return None
-    if resume == "auto":
-        if not config.checkpoint_dir:
-            raise RLHFError("--resume auto needs checkpoint_dir in the config")
-        return checkpoint.latest(config.checkpoint_dir)  # None: nothing saved yet, start fresh
-    return checkpoint.resolve(resume)
+    if os.path.isfile(os.path.join(where, "manifest.json")):
+        return where
+    return os.path.join(where, checkpoint.step_name(int(choice[0])))
 
 
 def _check_same_run(config: TrainConfig, saved: dict) -> None:
@@ -42,14 +81,17 @@ def train(
     on_step: Callable[[dict], None] | None = None,
 ) -> dict:
     """Run `config.steps` steps (counting the resumed ones) and return a JSON-able summary."""
-    from .trainer import GRPOTrainer
+    from .group import world_group
 
     start = time.perf_counter()
-    trainer = GRPOTrainer(config, group)
-    path = _resume_path(config, resume)
+    group = world_group(group)
+    path, skipped = _resume_path(config, resume, group)  # before the (slow) imports and model build
     if path is not None:
-        checkpoint.read_manifest(path)
         _check_same_run(config, _saved_config(path))
+    from .trainer import GRPOTrainer
+
+    trainer = GRPOTrainer(config, group)
+    if path is not None:
         trainer.load_checkpoint(path)
         log.info("resumed from %s at step %d", path, trainer.step_count)
     first = trainer.rank == 0
@@ -84,6 +126,7 @@ def train(
     return {
         "steps": trainer.step_count,
         "resumed_from": path,
+        "resume_skipped": skipped,
         "checkpoint": saved,
         "wall_s": time.perf_counter() - start,
         "reward_first": rewards[0] if rewards else None,
@@ -95,7 +138,7 @@ def train(
 
 
 def _saved_config(path: str) -> dict:
-    import json
-
-    with open(os.path.join(path, "state.json")) as f:
-        return json.load(f)["config"]
+    config = checkpoint.read_state(path).get("config")  # verified against the manifest first
+    if not isinstance(config, dict):
+        raise CheckpointError(f"checkpoint {path!r}: state.json has no config object")
+    return config

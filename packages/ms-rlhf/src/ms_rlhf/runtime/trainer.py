@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import checkpoint
 from ..config import TrainConfig
-from ..errors import RLHFError
+from ..errors import CheckpointError, RLHFError
 from ..sampling import split
 from ..tasks import PromptStream, make_task
 from .experience import make_experience, micro_batches, weights_for
@@ -250,8 +250,19 @@ class GRPOTrainer:
     def load_checkpoint(self, path: str) -> None:
         """Restore a checkpoint written by save_checkpoint with the same number of ranks, then
         reshard the restored weights into the training, rollout and reference models."""
-        Tensor = self._ms.Tensor
         arrays, state = checkpoint.load(path, int(self.group.ranks[self.rank]), self.world)
+        try:
+            self._restore(arrays, state)
+        except RLHFError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:  # verified, but not ours
+            raise CheckpointError(
+                f"checkpoint {path!r} does not hold this run's state: {type(exc).__name__} {exc}"
+            ) from None
+        self.last_sync = self._sync_all(ref=True)
+
+    def _restore(self, arrays: dict[str, np.ndarray], state: dict) -> None:
+        Tensor = self._ms.Tensor
         for n, p in self.master.items():
             p.copy_(Tensor(arrays[f"master.{n}"]))
         self.ref_shards = {n: arrays[f"ref.{n}"].copy() for n in self.master}
@@ -266,7 +277,6 @@ class GRPOTrainer:
         self._ms.set_rng_state(Tensor(np.asarray(state["mindspore_rng"], np.uint8)))
         self.length_memory = dict(state["length_memory"])
         self.history = list(state["history"])
-        self.last_sync = self._sync_all(ref=True)
 
 
 def _repeat(batch, n):

@@ -7,8 +7,10 @@
 
 Without --mapping, items align by identical paths; when fewer than 60% of the target's modules find
 a counterpart that way, the trees are aligned automatically (--auto-align forces it) and the
-confidence is reported. Exit status: 0 done (whatever the verdict), 1 with --fail-on-divergence
-when a divergence was found, 2 bad input.
+confidence is reported. Exit status (EXIT_CODES): 0 done; with --fail-on-divergence, 1 when a
+divergence or a NaN/Inf was found and 3 when a dump is damaged or unverifiable (3 wins over 1: the
+verdicts of a damaged dump are not to be trusted); 2 bad input (one line on stderr; --debug shows
+the traceback).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import json
 import logging
 import sys
 
+from ms_layout.console import run_console
+
 from .align import auto_align
 from .compare import compare_dirs
 from .errors import ProbeError
@@ -26,6 +30,13 @@ from .output import write_results
 from .reader import find_rank_dirs, load_rank
 
 AUTO_ALIGN_BELOW = 0.6
+EXIT_DIVERGENCE, EXIT_USAGE, EXIT_DAMAGED = 1, 2, 3
+EXIT_CODES = f"""exit status:
+  0  done (without --fail-on-divergence: whatever the verdict)
+  {EXIT_DIVERGENCE}  --fail-on-divergence: a divergence or a NaN/Inf was found
+  {EXIT_USAGE}  bad input: a missing or malformed dump, mapping or argument (one line on stderr)
+  {EXIT_DAMAGED}  --fail-on-divergence: a dump is damaged or unverifiable (wins over {EXIT_DIVERGENCE})
+"""
 
 
 def _identity_coverage(target_dir: str, golden_dir: str) -> tuple[float, object, object]:
@@ -52,11 +63,17 @@ def _choose_mapping(args) -> tuple[NameMapping, dict]:
     return NameMapping(), {"mapping": "identity", "identity_coverage": round(coverage, 4)}
 
 
+def _damage_line(d: dict) -> str:
+    return f"{d['side']} step {d['step']} rank {d['rank']} ({d['folder']}): " + "; ".join(d["reasons"])
+
+
 def cmd_compare(args) -> int:
     mapping, how = _choose_mapping(args)
     run = compare_dirs(args.target, args.golden, mapping, steps=args.step, ranks=args.rank)
     files = write_results(run, args.out, html=not args.no_html)
     summary = {**run.summary(), "alignment": how, "files": files}
+    for d in summary["damaged"]:
+        print(f"ms-probe: damaged dump: {_damage_line(d)}", file=sys.stderr)
     if args.json:
         print(json.dumps(summary, indent=1, default=str))
     else:
@@ -71,10 +88,18 @@ def cmd_compare(args) -> int:
                 f"  first divergence: {rc.first_divergence or 'none'}"
                 + (f" ({rc.first_divergence_reason})" if rc.first_divergence else "")
             )
+            for a in rc.anomaly_list():
+                print(f"  first nan/inf: {a['side']} {a['item']} {a['key']} ({a['what']})")
         for p in summary["problems"]:
             print(f"problem: {p}")
+        for d in summary["damaged"]:
+            print(f"damaged: {_damage_line(d)}")
         print(f"wrote {', '.join(sorted(files))} to {args.out}")
-    return 1 if args.fail_on_divergence and summary["first_divergence"] else 0
+    if not args.fail_on_divergence:
+        return 0
+    if summary["damaged"]:
+        return EXIT_DAMAGED
+    return EXIT_DIVERGENCE if summary["first_divergence"] or summary["anomalies"] else 0
 
 
 def cmd_align(args) -> int:
@@ -106,7 +131,12 @@ def cmd_mappings(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ms-probe", description="Compare precision dumps in msprobe's format.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("compare", help="compare a target dump with a golden dump")
+    c = sub.add_parser(
+        "compare",
+        help="compare a target dump with a golden dump",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     c.add_argument("--target", required=True, help="target dump: root, step folder or rank folder")
     c.add_argument("--golden", required=True, help="golden (bench) dump")
     c.add_argument("--out", required=True, help="output folder for CSV, JSON and report.html")
@@ -116,7 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--step", type=int, nargs="*", help="only these steps")
     c.add_argument("--rank", type=int, nargs="*", help="only these ranks")
     c.add_argument("--no-html", action="store_true", help="skip report.html")
-    c.add_argument("--fail-on-divergence", action="store_true", help="exit 1 when a divergence is found")
+    c.add_argument(
+        "--fail-on-divergence",
+        action="store_true",
+        help=f"exit {EXIT_DIVERGENCE} on a divergence or NaN/Inf, {EXIT_DAMAGED} on a damaged dump (see below)",
+    )
     c.add_argument("--json", action="store_true", help="print the summary as JSON")
     c.set_defaults(fn=cmd_compare)
     a = sub.add_parser("align", help="align two module trees automatically and print the pairs")
@@ -127,17 +161,18 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("mappings", help="list the shipped name mappings")
     m.add_argument("--json", action="store_true")
     m.set_defaults(fn=cmd_mappings)
+    for parser in (c, a, m):  # `ms-probe compare ... --debug` as well as `ms-probe --debug compare ...`
+        parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback")
     return p
+
+
+def _run(args) -> int:
+    return args.fn(args)
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    args = build_parser().parse_args(argv)
-    try:
-        return args.fn(args)
-    except ProbeError as e:
-        print(f"ms-probe: error: {e}", file=sys.stderr)
-        return 2
+    return run_console("ms-probe", build_parser(), _run, argv, (ProbeError,))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ golden_dir, mapping)` pairs every (step, rank) found on both sides and says whic
 align by (kind, mapped path, direction, call index): class names may differ between frameworks.
 Inside an aligned pair, data items align by key (after the mapping's data renames), and what is
 left pairs up in order among tensors of the same role, shape and dtype kind (`matched_by="order"`).
+Beside the verdicts, each side's damage (reader.py) and first NaN/Inf (anomalies.py) are reported.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from .anomalies import Anomaly, first_anomaly, tensor_nonfinite
 from .errors import ProbeError
 from .mapping import NameMapping
 from .metrics import stat_metrics, tensor_metrics
@@ -79,6 +81,18 @@ class RankCompare:
     mapping: str
     target_dir: str = ""
     golden_dir: str = ""
+    damage: dict[str, list[str]] = field(default_factory=dict)
+    """{"target": [...], "golden": [...]}: why a side is damaged or unverifiable (empty when intact)."""
+    anomalies: dict[str, Anomaly | None] = field(default_factory=dict)
+    """{"target": first NaN/Inf or None, "golden": ...}."""
+
+    def damaged(self) -> list[dict[str, Any]]:
+        """[{side, folder, reasons}] for each damaged side."""
+        folders = {"target": self.target_dir, "golden": self.golden_dir}
+        return [{"side": k, "folder": folders[k], "reasons": list(v)} for k, v in self.damage.items() if v]
+
+    def anomaly_list(self) -> list[dict[str, str]]:
+        return [a.to_dict() for a in self.anomalies.values() if a is not None]
 
     def summary(self) -> dict[str, Any]:
         counts: dict[str, int] = {}
@@ -103,11 +117,15 @@ class RankCompare:
             "first_divergence": self.first_divergence,
             "first_divergence_reason": self.first_divergence_reason,
             "problems": list(self.problems),
+            "damaged": self.damaged(),
+            "anomalies": self.anomaly_list(),
         }
 
 
 # ---------------------------------------------------------------------- one rank
-def _compare_pair(mode: str, td: RankDump, gd: RankDump, ti: DumpItem, gi: DumpItem, te, ge, th: Thresholds) -> Row:
+def _compare_pair(
+    mode: str, td: RankDump, gd: RankDump, ti: DumpItem, gi: DumpItem, te, ge, th: Thresholds, seen: dict
+) -> Row:
     row = Row(
         ti.name if ti else gi.name,
         te.key if te else ge.key,
@@ -135,6 +153,10 @@ def _compare_pair(mode: str, td: RankDump, gd: RankDump, ti: DumpItem, gi: DumpI
         row.message = f"shapes {list(te.shape)} and {list(ge.shape)} hold the same data; compared flat"
     if mode == "tensor" and shape_ok:
         a, b = td.load_tensor(ti, te), gd.load_tensor(gi, ge)
+        for side, item, entry, array in (("target", ti, te, a), ("golden", gi, ge, b)):
+            what = tensor_nonfinite(array) if array is not None else None
+            if what:
+                seen[side].setdefault(item.name, {})[entry.key] = what
         if a is not None and b is not None and a.size == b.size:
             metrics = tensor_metrics(a.reshape(-1), b.reshape(-1))
         else:
@@ -172,6 +194,7 @@ def compare_rank(
     rows: list[Row] = []
     modules: list[ModuleResult] = []
     row_groups: dict[str, list[Row]] = {}
+    seen: dict[str, dict[str, dict[str, str]]] = {"target": {}, "golden": {}}
     for ti in sorted(target.items.values(), key=lambda i: i.order):
         p = ti.parsed
         mr = ModuleResult(
@@ -195,7 +218,7 @@ def compare_rank(
         mr.golden = gi.name
         group = []
         for te, ge, how in pair_entries(ti, gi, mapping, gi.parsed.path):
-            row = _compare_pair(mode, target, golden, ti, gi, te, ge, th)
+            row = _compare_pair(mode, target, golden, ti, gi, te, ge, th, seen)
             row.matched_by = how
             group.append(row)
         rows.extend(group)
@@ -225,6 +248,8 @@ def compare_rank(
         mapping.name,
         str(target.folder),
         str(golden.folder),
+        {"target": list(target.damage), "golden": list(golden.damage)},
+        {side: first_anomaly(side, dump, seen[side]) for side, dump in (("target", target), ("golden", golden))},
     )
 
 
@@ -299,6 +324,8 @@ class CompareRun:
             "golden_only": sum(r.summary()["golden_only"] for r in self.ranks),
             "skipped": sum(r.summary()["skipped"] for r in self.ranks),
             "problems": list(self.problems) + [p for r in self.ranks for p in r.problems],
+            "damaged": [{"step": r.step, "rank": r.rank, **d} for r in self.ranks for d in r.damaged()],
+            "anomalies": [{"step": r.step, "rank": r.rank, **a} for r in self.ranks for a in r.anomaly_list()],
             "per_rank": [r.summary() for r in self.ranks],
         }
 

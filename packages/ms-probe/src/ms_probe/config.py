@@ -8,11 +8,12 @@ does not run (overflow_check, free_benchmark, ...) are refused with a message ra
 from __future__ import annotations
 
 import builtins
-import json
 import logging
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from ms_layout.files import FileError, read_json
 
 from .errors import ProbeError
 
@@ -171,10 +172,9 @@ def config_from_dict(raw: dict[str, Any], **overrides: Any) -> DumpConfig:
 def load_config(path: str | os.PathLike, **overrides: Any) -> DumpConfig:
     """Read msprobe's config.json."""
     try:
-        with open(path) as f:
-            raw = json.load(f)
-    except FileNotFoundError:
-        raise ProbeError(f"config file {os.fspath(path)!r} does not exist") from None
-    except json.JSONDecodeError as e:
-        raise ProbeError(f"config file {os.fspath(path)!r} is not valid JSON: {e}") from None
+        raw = read_json(path, "config file", 1 << 20)
+    except FileError as e:
+        raise ProbeError(str(e)) from None
+    except RecursionError:
+        raise ProbeError(f"config file {os.fspath(path)!r} is nested too deeply") from None
     return config_from_dict(raw, **overrides)

@@ -31,7 +31,13 @@ from typing import Any
 
 import yaml
 
+from ms_layout.files import FileError, read_capped
+from ms_layout.limits import Limit
+
 from .errors import ProbeError
+
+MAX_MAPPING_BYTES = Limit("MS_PROBE_MAX_MAPPING_BYTES", 16 << 20, "bytes")
+"""Largest mapping YAML file read."""
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(\*?)\}")
 
@@ -172,6 +178,29 @@ def _need(d: dict, key: str, where: str) -> Any:
     return d[key]
 
 
+def _list(raw: dict, key: str, where: str) -> list:
+    value = raw.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ProbeError(f"{where}: {key}: expected a list, got {value!r}")
+    return value
+
+
+def _obj(value: Any, where: str, expected: str) -> dict:
+    if not isinstance(value, dict):
+        raise ProbeError(f"{where}: expected {expected}, got {value!r}")
+    return value
+
+
+def _strings(value: Any, where: str) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise ProbeError(f"{where}: expected a list of strings, got {value!r}")
+    return list(value)
+
+
 def _template(text: Any, where: str) -> Template:
     if not isinstance(text, str):
         raise ProbeError(f"{where}: {text!r} is not a path template string")
@@ -189,27 +218,28 @@ def mapping_from_dict(raw: Any, source: str = "<dict>") -> NameMapping:
         raise ProbeError(f"mapping {source}: expected a mapping object, got {type(raw).__name__}")
     m = NameMapping(name=str(raw.get("name", os.path.basename(source))), description=str(raw.get("description", "")))
     m.source = source
-    strip = raw.get("strip") or {}
-    m.strip_target = [str(s) for s in strip.get("target", [])]
-    m.strip_golden = [str(s) for s in strip.get("golden", [])]
-    for i, r in enumerate(raw.get("modules") or []):
+    where = f"mapping {source}"
+    strip = _obj(raw.get("strip") or {}, f"{where}: strip", "{target: [...], golden: [...]}")
+    m.strip_target = _strings(strip.get("target"), f"{where}: strip.target")
+    m.strip_golden = _strings(strip.get("golden"), f"{where}: strip.golden")
+    for i, r in enumerate(_list(raw, "modules", where)):
         where = f"mapping {source}: modules[{i}]"
-        if not isinstance(r, dict):
-            raise ProbeError(f"{where}: expected {{target: ..., golden: ...}}, got {r!r}")
+        _obj(r, where, "{target: ..., golden: ...}")
         rule = Rule(_template(_need(r, "target", where), where), _template(_need(r, "golden", where), where))
         names_t = {x[0] for x in _PLACEHOLDER.findall(rule.target.text)}
         names_g = {x[0] for x in _PLACEHOLDER.findall(rule.golden.text)}
         if names_t != names_g:
             raise ProbeError(f"{where}: placeholders differ between sides ({sorted(names_t)} vs {sorted(names_g)})")
         m.rules.append(rule)
-    for i, s in enumerate(raw.get("skip") or []):
+    for i, s in enumerate(_list(raw, "skip", f"mapping {source}")):
         where = f"mapping {source}: skip[{i}]"
-        side = _need(s, "side", where)
+        side = _need(_obj(s, where, "{side: ..., path: ..., reason: ...}"), "side", where)
         if side not in ("target", "golden"):
             raise ProbeError(f"{where}: side {side!r} must be 'target' or 'golden'")
         m.skips.append(SkipRule(side, _template(_need(s, "path", where), where), str(s.get("reason", ""))))
-    for i, d in enumerate(raw.get("data") or []):
+    for i, d in enumerate(_list(raw, "data", f"mapping {source}")):
         where = f"mapping {source}: data[{i}]"
+        _obj(d, where, "{path: ..., target: ..., golden: ...}")
         m.data.append(
             DataRule(
                 _template(_need(d, "path", where), where),
@@ -239,10 +269,16 @@ def load_mapping(name_or_path: str | os.PathLike, reverse: bool = False) -> Name
     text = os.fspath(name_or_path)
     if os.path.exists(text):
         try:
-            with open(text) as f:
-                raw = yaml.safe_load(f)
+            data = read_capped(text, MAX_MAPPING_BYTES.check(os.path.getsize(text), f"size of {text!r}", ProbeError))
+            raw = yaml.safe_load(data.decode("utf-8"))
+        except FileError as e:
+            raise ProbeError(f"mapping {e}") from None
+        except UnicodeDecodeError as e:
+            raise ProbeError(f"mapping file {text!r} is not UTF-8 text (byte {e.start})") from None
+        except RecursionError:
+            raise ProbeError(f"mapping file {text!r} is nested too deeply") from None
         except yaml.YAMLError as e:
-            raise ProbeError(f"mapping file {text!r} is not valid YAML: {e}") from None
+            raise ProbeError(f"mapping file {text!r} is not valid YAML: {' '.join(str(e).split())}") from None
         m = mapping_from_dict(raw, text)
     else:
         shipped = shipped_mappings()

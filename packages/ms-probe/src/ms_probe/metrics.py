@@ -69,6 +69,8 @@ def tensor_metrics(n: np.ndarray, b: np.ndarray) -> dict[str, Any]:
 def _rel(d: float | None, base: float | None) -> float | None:
     if d is None or base is None:
         return None
+    if d == 0:
+        return 0.0  # also when the base is nan (nan on both sides)
     if abs(base) < TINY:
         return 0.0 if abs(d) < TINY else math.inf
     return abs(d / base)
@@ -82,7 +84,9 @@ def stat_metrics(n: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         vn, vb = json_float(n.get(key)), json_float(b.get(key))
         d = None if vn is None or vb is None else vn - vb
         if d is not None and not math.isfinite(d):
-            d = 0.0 if (vn == vb) else math.inf  # inf - inf of equal sign is no difference
+            # inf - inf of equal sign, or nan on both sides, is no difference: the NaN/Inf itself is
+            # reported as an anomaly of each side (anomalies.py), as tensor mode compares finite elements.
+            d = 0.0 if (vn == vb or (math.isnan(vn) and math.isnan(vb))) else math.inf
         vals[key] = (vn, vb, d)
         out[f"{label} diff"] = d
         out[f"{'Norm' if key == 'Norm' else key}RelativeErr"] = _rel(d, vb)

@@ -14,9 +14,10 @@ import re
 from dataclasses import dataclass
 
 MODULE_PREFIXES = ("Cell", "Module")
-_MODULE_RE = re.compile(r"^(Cell|Module)\.(.+)\.([^.]+)\.(forward|backward)\.(\d+)$")
-_PGRAD_RE = re.compile(r"^(Cell|Module)\.(.+)\.([^.]+)\.parameters_grad(?:\.(\d+))?$")
-_API_RE = re.compile(r"^([A-Za-z]+)\.(.+)\.(\d+)\.(forward|backward)$")
+# Call indices of at most 15 digits: a longer run of digits (hand-written input) is no call index.
+_MODULE_RE = re.compile(r"^(Cell|Module)\.(.+)\.([^.]+)\.(forward|backward)\.(\d{1,15})$")
+_PGRAD_RE = re.compile(r"^(Cell|Module)\.(.+)\.([^.]+)\.parameters_grad(?:\.(\d{1,15}))?$")
+_API_RE = re.compile(r"^([A-Za-z]+)\.(.+)\.(\d{1,15})\.(forward|backward)$")
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ms_layout.files import atomic_write
+
 from .compare import CompareRun, RankCompare, Row
 from .metrics import percent
-from .writer import atomic_write_bytes
 
 TENSOR_METRICS = (
     "Cosine",
@@ -138,17 +139,17 @@ def write_results(run: CompareRun, out_dir: str | Path, html: bool = True) -> di
         step = rc.step if rc.step is not None else "x"
         rank = rc.rank if rc.rank is not None else "x"
         stem = f"compare_result_step{step}_rank{rank}"
-        atomic_write_bytes(out / f"{stem}.csv", _csv_bytes(rank_records(rc)))
+        atomic_write(out / f"{stem}.csv", _csv_bytes(rank_records(rc)))
         doc = json.dumps(rank_json(rc), indent=1, default=str).encode()
-        atomic_write_bytes(out / f"{stem}.json", doc)
+        atomic_write(out / f"{stem}.json", doc)
         files[f"{stem}.csv"] = str(out / f"{stem}.csv")
         files[f"{stem}.json"] = str(out / f"{stem}.json")
     summary = run.summary()
-    atomic_write_bytes(out / "summary.json", json.dumps(summary, indent=1, default=str).encode())
+    atomic_write(out / "summary.json", json.dumps(summary, indent=1, default=str).encode())
     files["summary.json"] = str(out / "summary.json")
     if html:
         from .report import render_html
 
-        atomic_write_bytes(out / "report.html", render_html(run).encode())
+        atomic_write(out / "report.html", render_html(run).encode())
         files["report.html"] = str(out / "report.html")
     return files

@@ -7,7 +7,7 @@ order among leftover tensors of the same role, dtype kind and compatible shape.
 
 from __future__ import annotations
 
-import numpy as np
+import math
 
 from .mapping import NameMapping
 from .reader import DataEntry, DumpItem, RankDump
@@ -70,7 +70,7 @@ def shapes_compatible(a: tuple[int, ...], b: tuple[int, ...]) -> str | None:
         return None
     if [d for d in a if d != 1] == [d for d in b if d != 1]:
         return None
-    if a and b and a[-1] == b[-1] and int(np.prod(a)) == int(np.prod(b)):
+    if a and b and a[-1] == b[-1] and math.prod(a) == math.prod(b):  # Python ints: no overflow
         return None
     return f"shape {list(a)} vs {list(b)}"
 

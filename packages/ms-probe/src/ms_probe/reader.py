@@ -1,14 +1,24 @@
-"""Reads dumps back: msprobe's folders (ours or msprobe's own), tolerant of damage.
+"""Reads dumps back: msprobe's folders (ours or msprobe's own), tolerant of damage, wary of input.
 
 `find_rank_dirs(path)` accepts a dump root (`step*/`), a step folder (`rank*/` or `proc*/`) or a
 rank folder, and returns {(step, rank): folder}. `load_rank(folder)` returns a RankDump whose
-`problems` list says what was wrong (missing files, checksum mismatches from manifest.json, a
-truncated dump.json whose complete items are still read) instead of failing on the first one.
+`problems` list says what was wrong instead of failing on the first one; the part of them that means
+the dump is not what its writer wrote, or cannot be checked, is also in `damage` (files that differ
+from manifest.json, a truncated dump.json whose complete items are still read, records of the wrong
+type, tensor files that are missing or refused). A folder that holds no usable dump.json at all
+(not UTF-8, not a JSON object, nested too deeply, over MS_PROBE_MAX_JSON_BYTES) is a ProbeError.
+
+Every file a dump names is opened through `ms_layout.files.safe_join` relative to the rank folder:
+absolute names, `..`, symlinks out of the folder and non-regular files (`/dev/zero`) are refused,
+and tensor files over MS_PROBE_MAX_TENSOR_BYTES are not read.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import math
+import os
 import re
 import zlib
 from dataclasses import dataclass, field
@@ -17,33 +27,23 @@ from typing import Any
 
 import numpy as np
 
+from ms_layout.files import FileError, read_capped, safe_join, sha256_bytes
+from ms_layout.limits import Limit
+
 from .errors import ProbeError
 from .naming import ItemName, parse_item
+from .records import DataEntry, flatten_entry, salvage_data
+
+MAX_JSON_BYTES = Limit("MS_PROBE_MAX_JSON_BYTES", 1 << 30, "bytes")
+"""Largest dump.json, stack.json, construct.json or manifest.json read."""
+MAX_TENSOR_BYTES = Limit("MS_PROBE_MAX_TENSOR_BYTES", 1 << 32, "bytes")
+"""Largest tensor file (.npy) of a dump read."""
 
 _STEP_RE = re.compile(r"^step(\d+)$")
 _RANK_RE = re.compile(r"^(rank|proc)(\d+)$")
+_JSON_FILES = ("dump.json", "stack.json", "construct.json")
 
-
-@dataclass
-class DataEntry:
-    """One tensor (or value) of an item: `key` is what follows the item name (`input.0`, `output.0`, ...)."""
-
-    key: str
-    role: str
-    """"input", "output", "parameter" or "param_grad"."""
-    info: dict[str, Any]
-
-    @property
-    def is_tensor(self) -> bool:
-        return isinstance(self.info, dict) and "shape" in self.info and "dtype" in self.info
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.info.get("shape") or ())
-
-    @property
-    def dtype(self) -> str:
-        return str(self.info.get("dtype", ""))
+__all__ = ["MAX_JSON_BYTES", "MAX_TENSOR_BYTES", "DataEntry", "DumpItem", "RankDump", "find_rank_dirs", "load_rank"]
 
 
 @dataclass
@@ -71,40 +71,94 @@ class RankDump:
     framework: str = ""
     items: dict[str, DumpItem] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
-    manifest: dict[str, Any] = field(default_factory=dict)
+    """Everything worth saying about the folder, damage included."""
+    damage: list[str] = field(default_factory=list)
+    """What makes the dump damaged or unverifiable (also in `problems`)."""
+    manifest: dict[str, Any] | None = None
+    """{file: {bytes, sha256}} (or the older {size, crc32}) from manifest.json; None without one."""
 
     @property
     def tensor_dir(self) -> Path:
         return self.folder / "dump_tensor_data"
 
+    def note(self, message: str) -> None:
+        self.problems.append(message)
+
+    def damaged(self, message: str) -> None:
+        self.problems.append(message)
+        self.damage.append(message)
+
+    def mismatch(self, name: str, raw: bytes) -> str | None:
+        """Why `raw` (the bytes of `name`) is not what manifest.json lists, or None when it is (or
+        when there is no manifest: msprobe's own dumps have none)."""
+        if self.manifest is None:
+            return None
+        entry = self.manifest.get(name)
+        if entry is None:
+            return "not listed in manifest.json"
+        if "sha256" in entry:
+            size, ok = entry["bytes"], len(raw) == entry["bytes"] and sha256_bytes(raw) == entry["sha256"]
+            what = "sha256"
+        else:  # manifests of ms-probe 0.1 (version 1)
+            size = entry["size"]
+            ok = len(raw) == size and f"{zlib.crc32(raw) & 0xFFFFFFFF:08x}" == entry["crc32"]
+            what = "CRC-32"
+        if ok:
+            return None
+        return f"{len(raw)} bytes, {what} differs from manifest.json ({size} bytes): corrupt or truncated"
+
     def load_tensor(self, item: DumpItem, entry: DataEntry) -> np.ndarray | None:
-        """The entry's .npy array, or None (with a line in `problems`) when missing or damaged."""
-        file_name = entry.info.get("data_name") if isinstance(entry.info, dict) else None
+        """The entry's .npy array, or None (with a line in `damage`) when missing, refused or damaged."""
+        file_name = entry.info.get("data_name")
         if not file_name:
             return None
-        path = self.tensor_dir / file_name
-        rel = f"dump_tensor_data/{file_name}"
+        rel, where = f"dump_tensor_data/{file_name}", f"{item.name}.{entry.key}"
         try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
-            self.problems.append(f"{rel}: missing (named by {item.name}.{entry.key})")
+            if os.path.isabs(file_name) or file_name.startswith(("/", "\\")):
+                where_ok = "only relative names inside it"
+                raise FileError(f"tensor file name {file_name!r} leaves its folder {str(self.folder)!r}; {where_ok}")
+            path = safe_join(self.folder, rel, what="tensor file", must_exist=False)
+            if not path.exists():
+                self.damaged(f"{rel}: missing (named by {where})")
+                return None
+            cap = MAX_TENSOR_BYTES.value
+            MAX_TENSOR_BYTES.check(path.stat().st_size, f"size of {rel}", FileError)
+            raw = read_capped(path, cap, "tensor file")
+        except FileError as e:
+            self.damaged(f"{rel}: refused: {e} (named by {where})")
             return None
-        expected = self.manifest.get(rel)
-        if expected and (
-            len(raw) != expected.get("size") or f"{zlib.crc32(raw) & 0xFFFFFFFF:08x}" != expected.get("crc32")
-        ):
-            self.problems.append(
-                f"{rel}: {len(raw)} bytes, CRC or size differs from manifest.json "
-                f"({expected.get('size')} bytes): corrupt or truncated"
-            )
+        why = self.mismatch(rel, raw)
+        if why:
+            self.damaged(f"{rel}: {why}")
             return None
-        try:
-            import io
+        array, why = _load_npy(raw)
+        if array is None:
+            self.damaged(f"{rel}: not a usable .npy file ({why})")
+        return array
 
-            return np.load(io.BytesIO(raw), allow_pickle=False)
-        except Exception as e:
-            self.problems.append(f"{rel}: not a readable .npy file ({type(e).__name__}: {e})")
-            return None
+
+def _load_npy(raw: bytes) -> tuple[np.ndarray | None, str]:
+    """An array from .npy bytes, checking the header against the data before allocating anything
+    (a 100-byte file may claim a shape of 10**12 elements)."""
+    f = io.BytesIO(raw)
+    fmt = np.lib.format
+    try:
+        version = fmt.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dtype = fmt.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, fortran, dtype = fmt.read_array_header_2_0(f)
+        else:
+            return None, f"format version {version} is not read"
+    except Exception as e:  # numpy's header parser on arbitrary bytes raises ValueError, SyntaxError, ...
+        return None, f"{type(e).__name__}: {e}"
+    if dtype.hasobject or dtype.kind not in "biuf":
+        return None, f"dtype {dtype} is not a number type"
+    need, have = math.prod(shape) * dtype.itemsize, len(raw) - f.tell()
+    if need != have:
+        return None, f"its header says {need} bytes of data, it holds {have}"
+    array = np.frombuffer(raw, dtype=dtype, count=math.prod(shape), offset=f.tell())
+    return array.reshape(shape, order="F" if fortran else "C"), ""
 
 
 # ---------------------------------------------------------------------- discovery
@@ -148,147 +202,156 @@ def find_rank_dirs(path: str | Path) -> dict[tuple[int | None, int | None], Path
 
 
 # ---------------------------------------------------------------------- parsing
-def _salvage_data(text: str) -> tuple[dict[str, Any], bool]:
-    """The complete items of a truncated dump.json's "data" object; True when the text was complete."""
-    start = text.find('"data"')
-    if start < 0:
-        return {}, False
-    i = text.find("{", start)
-    dec = json.JSONDecoder()
-    out: dict[str, Any] = {}
-    n = len(text)
-
-    def skip(j: int) -> int:
-        while j < n and text[j] in " \t\r\n":
-            j += 1
-        return j
-
-    i = skip(i + 1)
-    while i < n:
-        if text[i] == "}":
-            return out, True
-        try:
-            key, i = dec.raw_decode(text, i)
-            i = skip(i)
-            if i >= n or text[i] != ":":
-                break
-            value, i = dec.raw_decode(text, skip(i + 1))
-        except json.JSONDecodeError:
-            break
-        out[key] = value
-        i = skip(i)
-        if i < n and text[i] == ",":
-            i = skip(i + 1)
-    return out, False
-
-
-def _is_leaf(v: Any) -> bool:
-    return isinstance(v, dict) and "type" in v
-
-
-def _flatten(value: Any, key: str, role: str, out: list[DataEntry]) -> None:
-    if value is None:
-        return
-    if _is_leaf(value):
-        out.append(DataEntry(key, role, value))
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _flatten(v, f"{key}.{k}", role, out)
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            _flatten(v, f"{key}.{i}", role, out)
-
-
-def flatten_entry(parsed: ItemName | None, entry: Any) -> list[DataEntry]:
-    """The data entries of one dump.json item, named as msprobe names its data items."""
-    out: list[DataEntry] = []
-    if not isinstance(entry, dict):
-        return out
-    if parsed is not None and parsed.kind == "param_grad":
-        for pname, v in entry.items():
-            if isinstance(v, list) and len(v) == 1:
-                v = v[0]
-            _flatten(v, pname, "param_grad", out)
-        return out
-    if parsed is not None and parsed.direction == "backward":
-        _flatten(entry.get("input"), "input", "input", out)
-        _flatten(entry.get("output"), "output", "output", out)
-        return out
-    for i, v in enumerate(entry.get("input_args") or []):
-        _flatten(v, f"input.{i}", "input", out)
-    for k, v in (entry.get("input_kwargs") or {}).items():
-        _flatten(v, f"input.{k}", "input", out)
-    if "input" in entry and "input_args" not in entry:  # older msprobe forward layout
-        _flatten(entry.get("input"), "input", "input", out)
-    _flatten(entry.get("output"), "output", "output", out)
-    for pname, v in (entry.get("parameters") or {}).items():
-        _flatten(v, f"parameters.{pname}", "parameter", out)
-    return out
-
-
-def _read_json(folder: Path, name: str, manifest: dict[str, Any], problems: list[str]) -> tuple[str | None, Any]:
-    path = folder / name
+def _read(dump: RankDump, name: str) -> bytes | None:
+    """The bytes of `name` in the rank folder, None when it is missing; a ProbeError for a file that
+    leaves the folder, is not a regular file or is over MS_PROBE_MAX_JSON_BYTES."""
     try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        problems.append(f"{name}: missing")
-        return None, None
-    expected = manifest.get(name)
-    if expected and (
-        len(raw) != expected.get("size") or f"{zlib.crc32(raw) & 0xFFFFFFFF:08x}" != expected.get("crc32")
-    ):
-        problems.append(
-            f"{name}: {len(raw)} bytes, differs from manifest.json ({expected.get('size')} bytes): corrupt or truncated"
-        )
-    text = raw.decode("utf-8", errors="replace")
+        path = safe_join(dump.folder, name, what=name, must_exist=False)
+        if not path.exists():
+            return None
+        MAX_JSON_BYTES.check(path.stat().st_size, f"size of {name} {str(path)!r}", FileError)
+        return read_capped(path, MAX_JSON_BYTES.value, name)
+    except FileError as e:
+        raise ProbeError(str(e)) from None
+
+
+def _decode(dump: RankDump, name: str, raw: bytes) -> tuple[str | None, str]:
+    """(text, "") or (None, why). A file cut inside a UTF-8 character is truncated, not foreign."""
     try:
-        return text, json.loads(text)
+        return raw.decode("utf-8"), ""
+    except UnicodeDecodeError as e:
+        if e.reason == "unexpected end of data" and e.start >= len(raw) - 3:
+            dump.damaged(f"{name}: ends inside a UTF-8 character: truncated")
+            return raw[: e.start].decode("utf-8"), ""
+        return None, f"not UTF-8 text (byte {e.start})"
+
+
+def _parse(text: str) -> tuple[Any, str]:
+    """(document, "") or (None, why)."""
+    try:
+        return json.loads(text), ""
+    except RecursionError:
+        return None, "nested too deeply"
     except json.JSONDecodeError as e:
-        problems.append(f"{name}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): truncated or corrupt")
-        return text, None
+        return None, f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): truncated or corrupt"
+
+
+def _read_manifest(dump: RankDump) -> None:
+    raw = _read(dump, "manifest.json")
+    if raw is None:
+        dump.note("manifest.json: none (msprobe's own dumps have none): files are not verified")
+        return
+    text, why = _decode(dump, "manifest.json", raw)
+    doc, why = _parse(text) if text is not None else (None, why)
+    files = doc.get("files") if isinstance(doc, dict) else None
+    if not isinstance(files, dict):
+        why = why or "has no 'files' object"
+        dump.damaged(f"manifest.json: {why}; files are not verified")
+        return
+    dump.manifest = {}
+    for name, entry in files.items():
+        good = isinstance(entry, dict) and (
+            (_is_size(entry.get("bytes")) and isinstance(entry.get("sha256"), str))
+            or (_is_size(entry.get("size")) and isinstance(entry.get("crc32"), str))
+        )
+        if good:
+            dump.manifest[name] = entry
+        else:
+            dump.damaged(f"manifest.json: entry of {name!r} is not {{bytes, sha256}}: {entry!r}")
+
+
+def _is_size(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _read_side_file(dump: RankDump, name: str) -> Any:
+    """construct.json or stack.json: the document, or None (with a line in `problems`)."""
+    raw = _read(dump, name)
+    if raw is None:
+        listed = dump.manifest is not None and name in dump.manifest
+        (dump.damaged if listed else dump.note)(f"{name}: missing" + (" (manifest.json lists it)" if listed else ""))
+        return None
+    why = dump.mismatch(name, raw)
+    if why:
+        dump.damaged(f"{name}: {why}")
+    text, why = _decode(dump, name, raw)
+    doc, why = _parse(text) if text is not None else (None, why)
+    if why:
+        dump.damaged(f"{name}: {why}")
+    if doc is not None and not isinstance(doc, dict):
+        dump.damaged(f"{name}: is a {type(doc).__name__}, expected an object")
+        return None
+    return doc
+
+
+def _read_dump_json(dump: RankDump) -> dict[str, Any]:
+    """The "data" object of dump.json (the complete items of a truncated one); sets task, level, framework."""
+    path = str(dump.folder / "dump.json")
+    raw = _read(dump, "dump.json")
+    if raw is None:
+        raise ProbeError(f"no dump.json in {str(dump.folder)!r}")
+    why = dump.mismatch("dump.json", raw)
+    if why:
+        dump.damaged(f"dump.json: {why}")
+    text, why = _decode(dump, "dump.json", raw)
+    if text is None:
+        raise ProbeError(f"dump.json {path!r} is {why}")
+    doc, why = _parse(text)
+    if why == "nested too deeply":
+        raise ProbeError(f"dump.json {path!r} is nested too deeply")
+    if doc is None:
+        dump.damaged(f"dump.json: {why}")
+        data, complete = salvage_data(text)
+        dump.damaged(f"dump.json: read {len(data)} complete items" + ("" if complete else " before the damage"))
+        for key in ("task", "level", "framework"):
+            m = re.search(rf'"{key}"\s*:\s*"([^"]*)"', text)
+            if m:
+                setattr(dump, key, m[1])
+        return data
+    if not isinstance(doc, dict):
+        raise ProbeError(f"dump.json {path!r} is a {type(doc).__name__}, expected an object with a 'data' object")
+    data = doc.get("data")
+    if data is None:
+        raise ProbeError(f"dump.json {path!r} has no 'data' object (not a dump?)")
+    if not isinstance(data, dict):
+        raise ProbeError(f"dump.json {path!r}: 'data' is a {type(data).__name__}, expected an object")
+    for key in ("task", "level", "framework"):
+        value = doc.get(key)
+        if isinstance(value, str):
+            setattr(dump, key, value)
+        elif value is not None:
+            dump.damaged(f"dump.json: {key} {value!r} is not a string; {getattr(dump, key)!r} assumed")
+    return data
 
 
 def load_rank(folder: str | Path, step: int | None = None, rank: int | None = None) -> RankDump:
-    """Read one rank folder; damage is reported in `problems`, and whatever is intact is kept."""
+    """Read one rank folder; damage is reported in `problems` and `damage`, whatever is intact is kept."""
     folder = Path(folder)
     if step is None:
         m = _STEP_RE.match(folder.parent.name)
         step = int(m[1]) if m else None
     dump = RankDump(folder, step, rank if rank is not None else _rank_of(folder.name))
-    manifest_raw = None
-    if (folder / "manifest.json").exists():
-        try:
-            manifest_raw = json.loads((folder / "manifest.json").read_text())
-            dump.manifest = manifest_raw.get("files", {})
-        except (json.JSONDecodeError, AttributeError):
-            dump.problems.append("manifest.json: not valid JSON; files are read without checksums")
-    text, doc = _read_json(folder, "dump.json", dump.manifest, dump.problems)
-    if doc is None and text is None:
-        return dump
-    if isinstance(doc, dict):
-        data = doc.get("data") or {}
-        dump.task = doc.get("task", "statistics")
-        dump.level = doc.get("level", "L0")
-        dump.framework = doc.get("framework", "")
-    else:
-        data, complete = _salvage_data(text or "")
-        dump.problems.append(f"dump.json: read {len(data)} complete items" + ("" if complete else " before the damage"))
-        for key in ("task", "level", "framework"):
-            m = re.search(rf'"{key}"\s*:\s*"([^"]*)"', text or "")
-            if m:
-                setattr(dump, key, m[1])
-    _, construct = _read_json(folder, "construct.json", dump.manifest, dump.problems)
-    _, stacks = _read_json(folder, "stack.json", dump.manifest, dump.problems)
-    stack_of = _stack_index(stacks)
-    construct = construct if isinstance(construct, dict) else {}
+    _read_manifest(dump)
+    data = _read_dump_json(dump)
+    construct = _read_side_file(dump, "construct.json") or {}
+    stack_of = _stack_index(_read_side_file(dump, "stack.json"))
     for order, (name, entry) in enumerate(data.items()):
         parsed = parse_item(name)
         if parsed is None:
-            dump.problems.append(f"dump.json: item {name!r} does not follow msprobe's naming; skipped")
+            dump.note(f"dump.json: item {name[:200]!r} does not follow msprobe's naming; skipped")
             continue
-        dump.items[name] = DumpItem(
-            name, parsed, order, flatten_entry(parsed, entry), construct.get(name), stack_of.get(name)
-        )
+        if not isinstance(entry, dict):
+            dump.damaged(f"dump.json: item {name!r} is a {type(entry).__name__}, expected an object; skipped")
+            continue
+        damage: list[str] = []
+        entries = flatten_entry(parsed, entry, name, damage)
+        for d in damage:
+            dump.damaged(f"dump.json: {d}")
+        parent = construct.get(name)
+        if parent is not None and not isinstance(parent, str):
+            dump.damaged(f"construct.json: parent of {name!r} is {parent!r}, not an item name")
+            parent = None
+        dump.items[name] = DumpItem(name, parsed, order, entries, parent, stack_of.get(name))
     return dump
 
 

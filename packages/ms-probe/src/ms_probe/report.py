@@ -4,6 +4,8 @@ Per compared rank: a summary, the first divergence (its rows and call stack), th
 of forward calls coloured by each module's worst result (forward and backward badges, the
 output deviation as the worst metric), golden-only modules, and every row in a folded table.
 The path to the first divergence is unfolded and the module itself is outlined.
+A damaged dump gets a box saying which side and why, above everything else; the first NaN/Inf of
+each side gets a box and a "nan/inf" badge on its node.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 from .compare import CompareRun, ModuleResult, RankCompare
 
+NAN_COLOR = "#6a1b9a"
 COLORS = {"pass": "#2e7d32", "warning": "#f9a825", "error": "#c62828", "unmatched": "#9e9e9e", "skipped": "#bdbdbd"}
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:24px;color:#222;max-width:1400px}
@@ -28,6 +31,7 @@ th{background:#f5f5f5}
 .cls{color:#777} .dev{color:#555;font-size:11px;margin-left:6px}
 .first{outline:3px solid #c62828;outline-offset:2px;background:#ffebee;font-weight:600}
 .firstbox{border:2px solid #c62828;background:#fff5f5;padding:10px 14px;border-radius:6px;overflow-x:auto}
+.nanbox{border:2px solid #6a1b9a;background:#f3e5f5;padding:10px 14px;border-radius:6px;margin:8px 0}
 .okbox{border:2px solid #2e7d32;background:#f1f8e9;padding:10px 14px;border-radius:6px}
 .problems li{color:#8d6e00} pre{font-size:11px;background:#fafafa;padding:6px;overflow-x:auto}
 .legend span{margin-right:10px}
@@ -80,6 +84,8 @@ def _tree(rc: RankCompare) -> str:
         if m.direction == "backward" and m.kind == "module":
             bwd.setdefault(m.path, []).append(m)
     first = next((m for m in rc.modules if m.name == rc.first_divergence), None)
+    nan = rc.anomalies.get("target")
+    nan_item = (nan.item if nan.direction == "forward" else _forward_of(fwd, nan.item)) if nan else None
     open_path: set[str] = set()
     if first is not None:
         name = first.name if first.direction == "forward" else None
@@ -94,6 +100,9 @@ def _tree(rc: RankCompare) -> str:
         badges = _badge(m.result, f"fwd {m.result}")
         for b in bwd.get(m.path, []):
             badges += _badge(b.result, f"bwd {b.result}")
+        if m.name == nan_item:
+            badges += f'<span class="badge" style="background:{NAN_COLOR}" title="{_e(nan.what)}">nan/inf</span>'
+
         dev = f'<span class="dev">out dev {_fmt(m.d_out)}</span>' if m.golden else ""
         is_first = first is not None and (
             m.name == first.name or (first.direction != "forward" and m.path == first.path)
@@ -111,6 +120,31 @@ def _tree(rc: RankCompare) -> str:
     return '<div class="tree"><ul>' + "".join(node(m) for m in children.get(None, [])) + "</ul></div>"
 
 
+def _forward_of(fwd: list[ModuleResult], item: str) -> str | None:
+    """The forward call of the module a backward item belongs to (the tree shows forward calls)."""
+    path = item.split(".", 1)[-1].rsplit(".", 3)[0]
+    return next((m.name for m in fwd if m.path == path), None)
+
+
+def _damage_and_nan(rc: RankCompare) -> list[str]:
+    parts = []
+    for d in rc.damaged():
+        reasons = "".join(f"<li>{_e(r)}</li>" for r in d["reasons"])
+        parts.append(
+            f'<div class="firstbox"><b>The {_e(d["side"])} dump is damaged or unverifiable</b> '
+            f"({_e(d['folder'])}); its verdicts are not to be trusted:<ul>{reasons}</ul></div>"
+        )
+    nans = rc.anomaly_list()
+    if nans:
+        lines = "".join(
+            f"<li>{_e(a['side'])}: <code>{_e(a['item'])}</code> {_e(a['key'])} ({_e(a['what'])})</li>" for a in nans
+        )
+        parts.append(
+            f'<div class="nanbox"><b>First NaN/Inf</b> (execution order: forward, then backward)<ul>{lines}</ul></div>'
+        )
+    return parts
+
+
 def _rank_section(rc: RankCompare) -> str:
     s = rc.summary()
     parts = [f"<h2>Step {_e(rc.step)} &middot; rank {_e(rc.rank)}</h2>"]
@@ -121,6 +155,7 @@ def _rank_section(rc: RankCompare) -> str:
         f"{s['skipped']} skipped by the mapping<br>target {_e(rc.target_dir)}<br>golden {_e(rc.golden_dir)}</p>"
         f"<p>{counts}</p>"
     )
+    parts += _damage_and_nan(rc)
     first = next((m for m in rc.modules if m.name == rc.first_divergence), None)
     if first is not None:
         rows = [r for r in rc.rows if r.item == first.name]
@@ -148,9 +183,12 @@ def render_html(run: CompareRun) -> str:
     """The whole report as one HTML string."""
     s = run.summary()
     legend = " ".join(_badge(k) for k in COLORS)
+    legend += f' <span class="badge" style="background:{NAN_COLOR}">nan/inf</span>'
     head = (
         f"<h1>ms-probe compare</h1><p class='meta'>first divergence: <b>{_e(s['first_divergence'] or 'none')}</b>"
-        f"{' (rank ' + _e(s['first_divergence_rank']) + ')' if s['first_divergence'] else ''}</p>"
+        f"{' (rank ' + _e(s['first_divergence_rank']) + ')' if s['first_divergence'] else ''}"
+        f"{' &middot; <b>' + str(len(s['damaged'])) + ' damaged dump(s)</b>' if s['damaged'] else ''}"
+        f"{' &middot; NaN/Inf in ' + str(len(s['anomalies'])) + ' dump(s)' if s['anomalies'] else ''}</p>"
         f'<p class="legend">{legend}</p>'
     )
     problems = ""

@@ -35,7 +35,10 @@ def json_float(x: Any) -> float | None:
     if x is None or isinstance(x, bool):
         return None if x is None else float(x)
     if isinstance(x, (int, float)):
-        return float(x)
+        try:
+            return float(x)
+        except OverflowError:  # an integer beyond float range (hand-written JSON)
+            return math.inf if x > 0 else -math.inf
     if isinstance(x, str):
         try:
             return float(x.strip().lower())

@@ -2,59 +2,30 @@
 
 Files: dump.json (items in the order they completed: children before their parent, as msprobe
 writes them), stack.json (deduplicated call stacks), construct.json (item -> parent item),
-dump_tensor_data/*.npy (tensor mode) and manifest.json (size and CRC-32 of every file, ours:
-readers use it to tell a truncated or corrupt file from a good one). Every file is written to a
-temporary name and renamed into place, so a crash never leaves a half-written file under its name.
+dump_tensor_data/*.npy (tensor mode) and manifest.json (size and sha256 of every file, ours:
+readers use it to tell a truncated or corrupt file from a good one).
+
+The whole rank folder is built under a temporary name beside it (`ms_layout.files.atomic_dir`:
+`.rank{R}.tmp-PID-*`) while the model runs, and swapped into place by `flush()` once complete: a
+dump killed at any moment leaves the previous dump of that step and rank as it was, and the next
+dump removes the killed writer's temporary folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import zlib
+import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-MANIFEST_VERSION = 1
+from ms_layout.files import atomic_dir, write_manifest
 
-
-class _CrcFile:
-    """A write-only file wrapper that keeps the CRC-32 and size of what went through it."""
-
-    def __init__(self, f):
-        self.f, self.crc, self.size = f, 0, 0
-
-    def write(self, b) -> int:
-        b = memoryview(b).cast("B")
-        self.crc = zlib.crc32(b, self.crc)
-        self.size += len(b)
-        return self.f.write(b)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> tuple[int, str]:
-    """Write `data` to `path` through a temporary file; returns (size, crc32 hex)."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-    return len(data), f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
-
-
-def atomic_write_json(path: Path, obj: Any) -> tuple[int, str]:
-    """Strict JSON (no NaN literals), indented like msprobe's files."""
-    return atomic_write_bytes(path, json.dumps(obj, indent=1, allow_nan=False).encode())
-
-
-def atomic_save_npy(path: Path, array: np.ndarray) -> tuple[int, str]:
-    """np.save through a temporary file, computing the CRC-32 while writing."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        w = _CrcFile(f)
-        np.lib.format.write_array(w, np.ascontiguousarray(array), allow_pickle=False)
-    os.replace(tmp, path)
-    return w.size, f"{w.crc & 0xFFFFFFFF:08x}"
+MANIFEST_VERSION = 2
+"""1: {size, crc32} per file (ms-probe 0.1); 2: {bytes, sha256} (ms_layout.files manifests)."""
 
 
 class DumpWriter:
@@ -66,23 +37,41 @@ class DumpWriter:
         self.data: dict[str, Any] = {}
         self.construct: dict[str, str | None] = {}
         self._stacks: dict[tuple[str, ...], list[str]] = {}
-        self._files: dict[str, dict[str, Any]] = {}
+        self._tensors: list[str] = []
         self.warnings: list[str] = []
-        self.dir.mkdir(parents=True, exist_ok=True)
-        if task == "tensor":
-            self.tensor_dir.mkdir(exist_ok=True)
+        self._pending: contextlib.ExitStack | None = None
+        self._work: Path | None = None
+        self._published = False
 
     @property
     def tensor_dir(self) -> Path:
+        """Where the tensor files are once the dump is in place."""
         return self.dir / "dump_tensor_data"
+
+    def _workdir(self) -> Path:
+        """The temporary folder being built (created on first use; after a flush, a new one that
+        starts with hard links to the tensors already published, for a second start()/stop())."""
+        if self._work is None:
+            self._pending = contextlib.ExitStack()
+            self._work = self._pending.enter_context(atomic_dir(self.dir, overwrite=True))
+            if self.task == "tensor":
+                (self._work / "dump_tensor_data").mkdir()
+            if self._published:
+                for rel in self._tensors:
+                    _link_or_copy(self.dir / rel, self._work / rel)
+        return self._work
 
     def save_tensor(self, data_name: str, array: np.ndarray) -> str:
         """Write `{data_name}.npy` now (as msprobe does while the model runs); returns the file name."""
-        if not self.tensor_dir.exists():
-            self.tensor_dir.mkdir(parents=True, exist_ok=True)
         file_name = f"{data_name}.npy"
-        size, crc = atomic_save_npy(self.tensor_dir / file_name, array)
-        self._files[f"dump_tensor_data/{file_name}"] = {"size": size, "crc32": crc}
+        folder = self._workdir() / "dump_tensor_data"
+        folder.mkdir(exist_ok=True)
+        # A plain write: the folder is private until flush() swaps it in (and fsyncs every file).
+        with open(folder / file_name, "wb") as f:
+            np.lib.format.write_array(f, np.ascontiguousarray(array), allow_pickle=False)
+        rel = f"dump_tensor_data/{file_name}"
+        if rel not in self._tensors:
+            self._tensors.append(rel)
         return file_name
 
     def add(self, name: str, entry: dict[str, Any], parent: str | None, stack: tuple[str, ...] | None) -> None:
@@ -99,26 +88,46 @@ class DumpWriter:
         self.warnings.append(message)
 
     def flush(self) -> Path:
-        """Write dump.json, stack.json, construct.json and the manifest; returns the folder."""
-        dump = {
-            "task": self.task,
-            "level": self.level,
-            "framework": self.framework,
-            "dump_data_dir": str(self.tensor_dir) if self.task == "tensor" else None,
-            "data": self.data,
-        }
-        stacks = {str(i): [names, list(frames)] for i, (frames, names) in enumerate(self._stacks.items())}
-        files = dict(self._files)
-        files["dump.json"] = _entry(atomic_write_json(self.dir / "dump.json", dump))
-        files["stack.json"] = _entry(atomic_write_json(self.dir / "stack.json", stacks))
-        files["construct.json"] = _entry(atomic_write_json(self.dir / "construct.json", self.construct))
-        if self.warnings:
-            text = "".join(w.rstrip("\n") + "\n" for w in self.warnings).encode()
-            files["dump_error_info.log"] = _entry(atomic_write_bytes(self.dir / "dump_error_info.log", text))
-        manifest = {"version": MANIFEST_VERSION, "framework": self.framework, "files": files}
-        atomic_write_json(self.dir / "manifest.json", manifest)
+        """Write dump.json, stack.json, construct.json and the manifest, then swap the folder in;
+        returns the folder."""
+        work = self._workdir()
+        try:
+            dump = {
+                "task": self.task,
+                "level": self.level,
+                "framework": self.framework,
+                "dump_data_dir": str(self.tensor_dir) if self.task == "tensor" else None,
+                "data": self.data,
+            }
+            stacks = {str(i): [names, list(frames)] for i, (frames, names) in enumerate(self._stacks.items())}
+            names = list(self._tensors)
+            for name, obj in (("dump.json", dump), ("stack.json", stacks), ("construct.json", self.construct)):
+                # Strict JSON (no NaN literals), indented like msprobe's files.
+                (work / name).write_text(json.dumps(obj, indent=1, allow_nan=False))
+                names.append(name)
+            if self.warnings:
+                text = "".join(w.rstrip("\n") + "\n" for w in self.warnings)
+                (work / "dump_error_info.log").write_text(text)
+                names.append("dump_error_info.log")
+            write_manifest(work, names, {"version": MANIFEST_VERSION, "framework": self.framework})
+        except BaseException:
+            self.abort()
+            raise
+        pending, self._pending, self._work = self._pending, None, None
+        pending.close()  # atomic_dir: fsync every file, swap the folder into place
+        self._published = True
         return self.dir
 
+    def abort(self) -> None:
+        """Drop what was written since the last flush (the previous dump stays in place)."""
+        if self._pending is not None:
+            pending, self._pending, self._work = self._pending, None, None
+            pending.__exit__(RuntimeError, RuntimeError("dump aborted"), None)
 
-def _entry(size_crc: tuple[int, str]) -> dict[str, Any]:
-    return {"size": size_crc[0], "crc32": size_crc[1]}
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)  # the published file is never written again: sharing its inode is safe
+    except OSError:
+        shutil.copy2(src, dst)

@@ -307,7 +307,9 @@ def read_json(path: str | os.PathLike, what: str = "JSON file", max_bytes: int |
         raise FileError(f"{what} {os.fspath(path)!r} is not UTF-8 text (byte {exc.start})") from None
     except json.JSONDecodeError as exc:
         raise FileError(f"{what} {os.fspath(path)!r} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
-    except (ValueError, RecursionError) as exc:  # a 5000-digit integer, 100k nested brackets
+    except RecursionError:  # 100k nested brackets
+        raise FileError(f"{what} {os.fspath(path)!r} is nested too deeply") from None
+    except ValueError as exc:  # a 5000-digit integer
         raise FileError(f"{what} {os.fspath(path)!r} is not readable JSON: {str(exc)[:120]}") from None
 
 

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from ms_layout.console import run_console
+
 from .errors import ModelError
 
 
@@ -30,8 +32,7 @@ def _info(args: argparse.Namespace) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit status."""
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ms-models", description="Reference MindSpore decoder models")
     sub = parser.add_subparsers(dest="command", required=True)
     tiny = sub.add_parser("make-tiny", help="write a tiny random HF checkpoint with a tokenizer")
@@ -44,19 +45,22 @@ def main(argv: list[str] | None = None) -> int:
     info.add_argument("path")
     info.add_argument("--json", action="store_true", help="print the result as JSON")
     info.set_defaults(func=_info)
-    args = parser.parse_args(argv)
-    try:
-        result = args.func(args)
-    except ModelError as exc:
-        print(f"ms-models: error: {exc}", file=sys.stderr)
-        return 2
+    return parser
+
+
+def _run(args: argparse.Namespace) -> None:
+    result = args.func(args)
     if args.json:
         print(json.dumps(result, indent=2, sort_keys=True))
     else:
         for key, value in result.items():
             if key != "config":
                 print(f"{key}: {value}")
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; bad input is one line on stderr and exit code 2 (--debug shows the traceback)."""
+    return run_console("ms-models", build_parser(), _run, argv, (ModelError,))
 
 
 if __name__ == "__main__":  # pragma: no cover

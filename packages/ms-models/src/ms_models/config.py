@@ -8,7 +8,6 @@ RoPE is given as HF's classic `rope_theta` + `rope_scaling`; the newer `rope_par
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields
@@ -16,7 +15,46 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from ms_layout.files import FileError, atomic_write_json, read_json
+from ms_layout.limits import Limit
+
 from .errors import ModelError
+
+MAX_SIZE = Limit("MS_MODELS_MAX_SIZE", 1 << 20, "entries of one config size (vocab, widths, heads, experts)")
+"""Bound on each size field of a config (vocab_size, hidden_size, intermediate_size, heads, experts, ranks)."""
+MAX_LAYERS = Limit("MS_MODELS_MAX_LAYERS", 1 << 12, "decoder layers")
+"""Bound on num_hidden_layers and num_nextn_predict_layers."""
+MAX_PARAMS = Limit("MS_MODELS_MAX_PARAMS", 1 << 40, "parameters of one model")
+"""Bound on the parameter count a config builds (4 TiB of float32): checked before anything is allocated."""
+MAX_CONFIG_BYTES = Limit("MS_MODELS_MAX_CONFIG_BYTES", 16 << 20, "bytes of config.json")
+"""Bound on the size of a config.json (or an index / manifest JSON) read whole."""
+
+# The type of every field a config reads from config.json, checked before any arithmetic on it.
+_POSITIVE = (
+    "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
+    "max_position_embeddings head_dim kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim "
+    "moe_intermediate_size n_routed_experts num_experts_per_tok n_group topk_group"
+).split()
+_NON_NEGATIVE = "n_shared_experts first_k_dense_replace num_nextn_predict_layers max_window_layers".split()
+_OPTIONAL_INT = "q_lora_rank sliding_window bos_token_id pad_token_id".split()
+_NUMBER = "rms_norm_eps rope_theta initializer_range routed_scaling_factor".split()
+_BOOL = "tie_word_embeddings attention_bias mlp_bias use_sliding_window norm_topk_prob rope_interleave".split()
+_STR = "hidden_act torch_dtype scoring_func topk_method".split()
+_LAYER_COUNTS = ("num_hidden_layers", "num_nextn_predict_layers")
+_NOT_SIZES = ("max_position_embeddings", "bos_token_id", "pad_token_id", "max_window_layers", "sliding_window")
+_ROPE_KEYS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "yarn": ()}
+_ROPE_NUMBERS = (
+    "factor low_freq_factor high_freq_factor original_max_position_embeddings mscale mscale_all_dim "
+    "beta_fast beta_slow attention_factor"
+).split()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -71,12 +109,64 @@ class DecoderConfig:
         self.validate()
 
     # ------------------------------------------------------------------ checks
-    def validate(self) -> None:
-        """Raise ModelError on sizes that cannot build a model."""
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+    def check_types(self) -> None:
+        """Raise ModelError naming the first field of the wrong type or over its limit (MAX_SIZE,
+        MAX_LAYERS): what config.json gives is checked before any arithmetic on it."""
+        present = {f.name for f in fields(self)}
+        for name in present:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if name in _POSITIVE and value is not None and (not _is_int(value) or value <= 0):
                 raise ModelError(f"{name}={value!r}; expected a positive int")
+            if name in _NON_NEGATIVE and (not _is_int(value) or value < 0):
+                raise ModelError(f"{name}={value!r}; expected a non-negative int")
+            if name in _OPTIONAL_INT and value is not None and (not _is_int(value) or value < 0):
+                raise ModelError(f"{name}={value!r}; expected null or a non-negative int")
+            if name in _NUMBER and (not _is_number(value) or value < 0):
+                raise ModelError(f"{name}={value!r}; expected a non-negative finite number")
+            if name in _BOOL and not isinstance(value, bool):
+                raise ModelError(f"{name}={value!r}; expected true or false")
+            if name in _STR and not isinstance(value, str):
+                raise ModelError(f"{name}={value!r}; expected a string")
+            if _is_int(value) and name not in _NOT_SIZES:
+                limit = MAX_LAYERS if name in _LAYER_COUNTS else MAX_SIZE
+                limit.check(value, name, error=ModelError)
+        eos = self.eos_token_id
+        if eos is not None and not (_is_int(eos) or (isinstance(eos, list) and all(_is_int(e) for e in eos))):
+            raise ModelError(f"eos_token_id={eos!r}; expected null, an int or a list of ints")
+        if not isinstance(self.extra, dict):
+            raise ModelError(f"extra={self.extra!r}; expected a dict of fields")
+        self._check_rope_scaling()
+
+    def _check_rope_scaling(self) -> None:
+        scaling = self.rope_scaling
+        if scaling is None:
+            return
+        if not isinstance(scaling, dict):
+            raise ModelError(f"rope_scaling={scaling!r}; expected null or an object")
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if not isinstance(kind, str) or kind not in ("default", "linear", "llama3", "yarn"):
+            raise ModelError(f"rope_scaling type {kind!r}; supported: default, linear, llama3, yarn")
+        for key in _ROPE_KEYS.get(kind, ()):
+            if key not in scaling:
+                raise ModelError(f"rope_scaling of type {kind!r} needs {key!r}; got {sorted(scaling)}")
+        for key in _ROPE_NUMBERS:
+            value = scaling.get(key)
+            if value is not None and (not _is_number(value) or value <= 0):
+                raise ModelError(f"rope_scaling {key}={value!r}; expected a positive number")
+        if kind == "llama3" and scaling["low_freq_factor"] == scaling["high_freq_factor"]:
+            raise ModelError("rope_scaling llama3: low_freq_factor equals high_freq_factor (the ramp divides by them)")
+
+    def check_size(self) -> None:
+        """Raise ModelError if the model would hold more than MAX_PARAMS parameters."""
+        from .layouts import param_shapes
+
+        total = sum(math.prod(s) for s in param_shapes(self).values())
+        MAX_PARAMS.check(total, f"parameters of this {self.model_type} config", error=ModelError)
+
+    def validate(self) -> None:
+        """Raise ModelError on fields of the wrong type, sizes over their limits and sizes that
+        cannot build a model."""
+        self.check_types()
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -84,9 +174,7 @@ class DecoderConfig:
             )
         if self.hidden_act != "silu":
             raise ModelError(f"hidden_act={self.hidden_act!r}; only 'silu' (SwiGLU) is implemented")
-        rope_type = self.rope_type
-        if rope_type not in ("default", "linear", "llama3", "yarn"):
-            raise ModelError(f"rope_scaling type {rope_type!r}; supported: default, linear, llama3, yarn")
+        self.check_size()
 
     @property
     def rope_type(self) -> str:
@@ -119,12 +207,16 @@ class DecoderConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DecoderConfig:
         """Build from a config.json dict; unknown fields go to `extra`."""
+        if not isinstance(data, dict):
+            raise ModelError(f"a config is a JSON object of fields, not a {type(data).__name__}")
         data = dict(data)
         model_type = data.pop("model_type", cls.model_type)
         data.pop("architectures", None)  # derived from the class
         if model_type != cls.model_type:
             raise ModelError(f"model_type {model_type!r} given to {cls.__name__} (expects {cls.model_type!r})")
         rope_parameters = data.pop("rope_parameters", None)
+        if rope_parameters is not None and not isinstance(rope_parameters, dict):
+            raise ModelError(f"rope_parameters={rope_parameters!r:.80}; expected an object")
         if rope_parameters and "rope_scaling" not in data:
             rope_parameters = dict(rope_parameters)
             data.setdefault("rope_theta", rope_parameters.pop("rope_theta", 10000.0))
@@ -150,11 +242,7 @@ class DecoderConfig:
 
     def save(self, directory: str | os.PathLike) -> None:
         """Write config.json into `directory` (temp name, then rename)."""
-        path = os.path.join(os.fspath(directory), "config.json")
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
-        os.replace(tmp, path)
+        atomic_write_json(os.path.join(os.fspath(directory), "config.json"), self.to_dict(), indent=2, sort_keys=True)
 
 
 @dataclass
@@ -170,6 +258,7 @@ class LlamaConfig(DecoderConfig):
     """Bias on gate/up/down projections."""
 
     def __post_init__(self) -> None:
+        self.check_types()  # before the arithmetic below
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ModelError(
@@ -327,25 +416,36 @@ CONFIG_CLASSES: dict[str, type[DecoderConfig]] = {c.model_type: c for c in (Llam
 
 def config_from_dict(data: dict[str, Any]) -> DecoderConfig:
     """Build the config class named by data['model_type']."""
+    if not isinstance(data, dict):
+        raise ModelError(f"a config is a JSON object of fields, not a {type(data).__name__}")
     model_type = data.get("model_type")
-    if model_type not in CONFIG_CLASSES:
+    if not isinstance(model_type, str) or model_type not in CONFIG_CLASSES:
         raise ModelError(f"model_type {model_type!r} is not supported; expected one of {sorted(CONFIG_CLASSES)}")
     return CONFIG_CLASSES[model_type].from_dict(data)
 
 
 def load_config(path: str | os.PathLike) -> DecoderConfig:
-    """Read config.json from a directory (or the file itself)."""
+    """Read config.json from a directory (or the file itself), at most MS_MODELS_MAX_CONFIG_BYTES;
+    a missing, non-UTF-8 or invalid file, or a bad field, is a ModelError naming it."""
     path = os.fspath(path)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
+    if not os.path.lexists(path):
+        raise ModelError(f"no config.json at {path!r}")
+    return config_from_dict(read_config_json(path, "config"))
+
+
+def read_config_json(path: str, what: str) -> Any:
+    """A JSON file of a checkpoint (config, index, manifest) within MS_MODELS_MAX_CONFIG_BYTES;
+    missing, too large, non-UTF-8 or invalid: a ModelError naming the file."""
+    if not os.path.exists(path):
+        raise ModelError(f"{what} {path!r} does not exist")
+    if os.path.isfile(path):
+        MAX_CONFIG_BYTES.check(os.path.getsize(path), f"size of {path}", error=ModelError)
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ModelError(f"no config.json at {path!r}") from None
-    except json.JSONDecodeError as exc:
-        raise ModelError(f"{path!r} is not valid JSON: {exc}") from None
-    return config_from_dict(data)
+        return read_json(path, what, max_bytes=MAX_CONFIG_BYTES.value)
+    except FileError as exc:
+        raise ModelError(str(exc)) from None
 
 
 # ---------------------------------------------------------------------- RoPE variants (HF formulas)

@@ -7,15 +7,16 @@ Our parameter names are HF's except in two places, mapped here both ways:
   as in DeepSeek-V3's checkpoint (which also stores copies of the shared embedding and head there).
 
 Loading checks every name and shape before writing anything into the model, and reports all
-missing, unexpected and mis-shaped tensors in one ModelError. Writing goes to a temporary name and
-is renamed into place, with a manifest of sizes and SHA-256 sums that the loader verifies.
+missing, unexpected and mis-shaped tensors in one ModelError. Every file name read from an index or
+a manifest goes through ``ms_layout.files.safe_join`` (no ``..``, absolute names, symlinks out of
+the folder or non-regular files), and the manifest is verified before any tensor is read. Writing
+goes through ``ms_layout.files`` (temporary name, fsync, rename), with a manifest of sizes and
+SHA-256 sums that the loader verifies.
 """
 
 from __future__ import annotations
 
 import glob
-import hashlib
-import json
 import os
 import re
 from collections.abc import Iterator
@@ -25,7 +26,9 @@ from mindspore import Tensor
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from .config import DecoderConfig, load_config
+from ms_layout.files import FileError, atomic_path, atomic_write_json, safe_join, sha256_file
+
+from .config import DecoderConfig, load_config, read_config_json
 from .errors import ModelError
 
 MANIFEST = "ms_models_manifest.json"
@@ -104,38 +107,59 @@ def load_state_dict(model, tensors: dict[str, np.ndarray], strict: bool = True) 
         param.set_data(Tensor(value.astype(np.float32)).astype(param.dtype))
 
 
+def _inside(directory: str, name: object, what: str) -> str:
+    """`name` (read from an index or a manifest) as a path inside `directory`, or a ModelError."""
+    try:
+        return os.fspath(safe_join(directory, name, what=what))
+    except FileError as exc:
+        raise ModelError(str(exc)) from None
+
+
 def _safetensor_files(path: str) -> list[str]:
     if os.path.isfile(path):
         return [path]
+    if not os.path.isdir(path):
+        raise ModelError(f"no checkpoint at {path!r}: neither a folder nor a .safetensors file")
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(path, name) for name in files]
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        data = read_config_json(index, "safetensors index")
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ModelError(f"{index!r} has no 'weight_map' object of tensor name -> file name")
+        return [_inside(path, name, "index file") for name in sorted(set(weight_map.values()))]
+    files = sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
     if not files:
         raise ModelError(f"no *.safetensors files in {path!r}")
-    return files
-
-
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return [_inside(path, os.path.basename(f), "safetensors file") for f in files]
 
 
 def _verify_manifest(directory: str) -> None:
     manifest = os.path.join(directory, MANIFEST)
-    if not os.path.exists(manifest):
+    if not os.path.lexists(manifest):
         return  # a checkpoint written by another tool
-    with open(manifest) as f:
-        entries = json.load(f)["files"]
+    entries = _manifest_entries(directory)
     for name, entry in entries.items():
-        path = os.path.join(directory, name)
-        if not os.path.exists(path) or os.path.getsize(path) != entry["size"] or _sha256(path) != entry["sha256"]:
-            raise ModelError(f"{path!r} does not match {MANIFEST} (size or SHA-256 differs, or it is missing)")
+        path = _inside(directory, name, f"{MANIFEST} file")
+        if os.path.getsize(path) != entry["size"] or sha256_file(path) != entry["sha256"]:
+            raise ModelError(f"{path!r} does not match {MANIFEST} (size or SHA-256 differs)")
+
+
+def _manifest_entries(directory: str) -> dict[str, dict]:
+    """The {name: {size, sha256}} entries of a checkpoint's manifest, each field checked."""
+    manifest = os.path.join(directory, MANIFEST)
+    _inside(directory, MANIFEST, "manifest")  # a regular file inside the folder, not a link out
+    data = read_config_json(manifest, "manifest")
+    entries = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(entries, dict):
+        raise ModelError(f"{manifest!r} has no 'files' object of name -> {{size, sha256}}")
+    for name, entry in entries.items():
+        size = entry.get("size") if isinstance(entry, dict) else None
+        digest = entry.get("sha256") if isinstance(entry, dict) else None
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ModelError(f"{manifest!r}: files[{name!r}].size = {size!r}; expected a non-negative int")
+        if not isinstance(digest, str) or len(digest) != 64:
+            raise ModelError(f"{manifest!r}: files[{name!r}].sha256 = {digest!r:.80}; expected 64 hex digits")
+    return entries
 
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -147,7 +171,7 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     for file in _safetensor_files(path):
         try:
             part = load_file(file)
-        except (SafetensorError, OSError) as exc:
+        except (SafetensorError, OSError, ValueError, TypeError) as exc:  # safetensors' errors for bad headers
             raise ModelError(f"cannot read {file!r}: {exc}") from None
         for key, value in part.items():
             if key in tensors:
@@ -164,11 +188,11 @@ def load_safetensors(model, path: str | os.PathLike, strict: bool = True) -> Non
 def save_safetensors(model, path: str | os.PathLike) -> None:
     """Write `model` as an HF directory: config.json, model.safetensors and a checksum manifest."""
     directory = os.fspath(path)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ModelError(f"{directory!r} is a file, not a checkpoint folder")
     os.makedirs(directory, exist_ok=True)
-    target = os.path.join(directory, "model.safetensors")
-    tmp = target + ".tmp"
-    save_file(hf_state_dict(model), tmp, metadata={"format": "pt"})
-    os.replace(tmp, target)
+    with atomic_path(os.path.join(directory, "model.safetensors")) as tmp:
+        save_file(hf_state_dict(model), str(tmp), metadata={"format": "pt"})
     model.config.save(directory)
     write_manifest(directory, ["model.safetensors"])
 
@@ -176,17 +200,11 @@ def save_safetensors(model, path: str | os.PathLike) -> None:
 def write_manifest(directory: str, names: list[str]) -> None:
     """Record size and SHA-256 of `names` (merged into an existing manifest)."""
     manifest = os.path.join(directory, MANIFEST)
-    entries = {}
-    if os.path.exists(manifest):
-        with open(manifest) as f:
-            entries = json.load(f)["files"]
+    entries = _manifest_entries(directory) if os.path.lexists(manifest) else {}
     for name in names:
         path = os.path.join(directory, name)
-        entries[name] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
-    tmp = manifest + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"version": 1, "files": entries}, f, indent=2, sort_keys=True)
-    os.replace(tmp, manifest)
+        entries[name] = {"size": os.path.getsize(path), "sha256": sha256_file(path)}
+    atomic_write_json(manifest, {"version": 1, "files": entries}, indent=2, sort_keys=True)
 
 
 def model_class(config: DecoderConfig):

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 from mindspore import Tensor
 
+from ms_layout.files import atomic_write
+
 from .config import CONFIG_CLASSES, DecoderConfig
 from .errors import ModelError
 
@@ -86,9 +88,13 @@ _CORPUS = (
 
 def tiny_config(arch: str, **overrides: Any) -> DecoderConfig:
     """The tiny config of `arch` ("llama", "qwen2", "deepseek_v3"), with field overrides."""
-    if arch not in TINY_CONFIGS:
+    if not isinstance(arch, str) or arch not in TINY_CONFIGS:
         raise ModelError(f"unknown arch {arch!r}; expected one of {sorted(TINY_CONFIGS)}")
-    return CONFIG_CLASSES[arch](**{**TINY_CONFIGS[arch], **overrides})
+    cls = CONFIG_CLASSES[arch]
+    unknown = sorted(set(overrides) - {f for f in cls.__dataclass_fields__})
+    if unknown:
+        raise ModelError(f"{cls.__name__} has no fields {unknown}")
+    return cls(**{**TINY_CONFIGS[arch], **overrides})
 
 
 def randomize(model, seed: int) -> None:
@@ -145,16 +151,15 @@ def save_tokenizer(directory: str, vocab_size: int, max_length: int) -> None:
         "special_tokens_map.json": json.dumps(specials, indent=2),
     }
     for name, text in files.items():
-        path = os.path.join(directory, name)
-        with open(path + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(path + ".tmp", path)
+        atomic_write(os.path.join(directory, name), text)
 
 
 def make_tiny(arch: str, path: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
     """Write a tiny random `arch` checkpoint with its tokenizer to `path`; returns the path."""
     from .io import from_config, save_safetensors, write_manifest
 
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ModelError(f"seed={seed!r}; expected a non-negative int")
     config = tiny_config(arch, **overrides)
     model = from_config(config, seed=seed)
     randomize(model, seed)

@@ -17,71 +17,79 @@ Format (version 1), a directory holding::
                      "tensors": [names]}}}
 
 A rank's file holds its shard of every parameter whose layout includes the rank (fused parameters
-hold each part's shard side by side, see fusion.py). Every file is checked against its size and
-sha256 before anything is read from it, and a checkpoint is written to a temporary directory next
-to the target and renamed into place: a failure at any point leaves the target as it was.
+hold each part's shard side by side, see fusion.py). The manifest is checked field by field before
+it is used (manifest.py), every file name it holds goes through ``ms_layout.files.safe_join`` (no
+``..``, absolute names or symlinks out of the folder), and every file is checked against its size
+and sha256, and its tensors' shapes and dtypes against the manifest, before anything is read from
+it. A checkpoint is written by ``ms_layout.files.atomic_dir``: a temporary folder beside the target,
+swapped in once complete, so a failure or a ``kill -9`` at any point leaves the target as it was,
+and the next write removes what a killed writer left behind.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ms_layout import Layout, LayoutError, ParallelConfig
+from ms_layout import Layout, ParallelConfig
+from ms_layout import files as _files
+from ms_layout.files import FileError, file_entry, safe_join, sha256_file
 
 from .errors import ReshardError
 from .local import local_slices
+from .manifest import FORMAT, MANIFEST, VERSION, check_files, check_manifest, load_manifest, manifest_specs
 from .model_plan import ModelPlan, ParamSpec
 
-FORMAT = "ms-reshard-checkpoint"
-VERSION = 1
-MANIFEST = "manifest.json"
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "VERSION",
+    "atomic_dir",
+    "check_manifest",
+    "check_target",
+    "load_checkpoint",
+    "load_manifest",
+    "manifest_specs",
+    "reshard_checkpoint",
+    "save_checkpoint",
+    "sha256_file",
+    "verify",
+]
+
+# sha256_file is ms_layout.files.sha256_file, kept under its old name here for callers.
+
+# safetensors' names of the dtypes a checkpoint may hold (manifest.CHECKPOINT_DTYPES)
+_ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "int64": "I64", "int32": "I32", "int8": "I8"}
+_ST_DTYPES["uint8"] = "U8"
 
 
 def _file_name(rank: int) -> str:
     return f"rank_{rank:05d}.safetensors"
 
 
-def sha256_file(path: Path, progress: Any = None, chunk: int = 1 << 22) -> str:
-    """Hex sha256 of a file, read in chunks (updating a tqdm bar by bytes if given)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-            if progress is not None:
-                progress.update(len(block))
-    return h.hexdigest()
+def check_target(target: str | os.PathLike, overwrite: bool = False) -> Path:
+    """`target` as a Path if a checkpoint may be written there: absent, or a folder and `overwrite`."""
+    target = Path(target)
+    _files.recover_dir(target)  # a writer killed while swapping folders parked the old one aside
+    if target.exists() and not target.is_dir():
+        raise ReshardError(f"{os.fspath(target)!r} is a file, not a checkpoint folder; choose another target")
+    if target.exists() and not overwrite:
+        raise ReshardError(f"{target} already exists; pass overwrite=True (--overwrite) to replace it")
+    return target
 
 
 @contextlib.contextmanager
-def atomic_dir(target: Path, overwrite: bool = False):
-    """Yield a fresh temporary directory beside `target`; on success it replaces `target`."""
-    target = Path(target)
-    if target.exists() and not overwrite:
-        raise ReshardError(f"{target} already exists; pass overwrite=True (--overwrite) to replace it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
+def atomic_dir(target: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """``ms_layout.files.atomic_dir`` with ms-reshard's errors: yields a temporary folder beside
+    `target` that replaces it on success; leftovers of killed writers are removed first."""
+    with _files.atomic_dir(check_target(target, overwrite), overwrite) as tmp:
         yield tmp
-        old = None
-        if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            os.rename(target, old / "d")
-        os.rename(tmp, target)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def save_checkpoint(
@@ -119,7 +127,7 @@ def save_checkpoint(
 
 def _file_entry(directory: Path, rank: int, names: list[str]) -> dict:
     path = directory / _file_name(rank)
-    return {"path": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path), "tensors": names}
+    return {"path": path.name, **file_entry(path), "tensors": names}
 
 
 def _manifest(specs, files, config, model) -> dict:
@@ -138,49 +146,18 @@ def _manifest(specs, files, config, model) -> dict:
     }
 
 
-def load_manifest(directory: str | Path) -> dict:
-    """The manifest of a checkpoint directory, checked for format and version."""
-    path = Path(directory) / MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ReshardError(f"{directory} is not a checkpoint: {MANIFEST} is missing") from None
-    except json.JSONDecodeError as exc:
-        raise ReshardError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ReshardError(f"{path} is not an {FORMAT} manifest")
-    if not isinstance(manifest.get("version"), int) or manifest["version"] > VERSION:
-        raise ReshardError(f"{path} has version {manifest.get('version')!r}; this reader knows 1..{VERSION}")
-    return manifest
-
-
-def manifest_specs(manifest: dict) -> dict[str, ParamSpec]:
-    """Parameter specs recorded in a manifest."""
-    try:
-        return {
-            n: ParamSpec(
-                Layout.from_dict(p["layout"]),
-                tuple(p["shape"]),
-                p["dtype"],
-                tuple(p.get("parts", ())),
-                p.get("part_dim", 0),
-            )
-            for n, p in manifest["params"].items()
-        }
-    except (KeyError, TypeError, LayoutError) as exc:
-        raise ReshardError(f"manifest has a bad parameter entry: {exc}") from None
-
-
 def verify(directory: str | Path, manifest: dict, progress: bool = False) -> None:
-    """Check every file's size and sha256 against the manifest; a mismatch names the file."""
+    """Check every file's size and sha256 against the manifest; a mismatch names the file.
+
+    A file name that leaves the folder (``..``, absolute, a symlink out) or is not a regular file
+    is refused before it is opened."""
     directory = Path(directory)
-    entries = list(manifest["files"].values())
-    bar = _bar(sum(e["bytes"] for e in entries), "verify", progress)
+    files = check_files(manifest)
+    paths = {rank: _file_path(directory, rank, entry) for rank, entry in files.items()}
+    bar = _bar(sum(e["bytes"] for e in files.values()), "verify", progress)
     try:
-        for entry in entries:
-            path = directory / entry["path"]
-            if not path.is_file():
-                raise ReshardError(f"checkpoint file {path} is missing")
+        for rank, entry in files.items():
+            path = paths[rank]
             size = path.stat().st_size
             if size != entry["bytes"]:
                 raise ReshardError(f"checkpoint file {path} has {size} bytes; the manifest says {entry['bytes']}")
@@ -189,6 +166,14 @@ def verify(directory: str | Path, manifest: dict, progress: bool = False) -> Non
     finally:
         if bar is not None:
             bar.close()
+
+
+def _file_path(directory: Path, rank: int, entry: dict) -> Path:
+    """The path of a rank's file, through safe_join (missing, outside the folder, not a file: an error)."""
+    try:
+        return safe_join(directory, entry["path"], what=f"checkpoint file of rank {rank}")
+    except FileError as exc:
+        raise ReshardError(str(exc)) from None
 
 
 def _bar(total: int, desc: str, enabled: bool):
@@ -201,15 +186,31 @@ def _bar(total: int, desc: str, enabled: bool):
 
 def load_checkpoint(directory: str | Path) -> tuple[dict[str, ParamSpec], dict[str, dict[int, np.ndarray]]]:
     """Read a whole checkpoint (verified) as specs and {name: {rank: shard}}."""
+    from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
+    directory = Path(directory)
     manifest = load_manifest(directory)
+    specs = manifest_specs(manifest)
     verify(directory, manifest)
     shards: dict[str, dict[int, np.ndarray]] = {}
-    for rank, entry in manifest["files"].items():
-        for name, array in load_file(str(Path(directory) / entry["path"])).items():
-            shards.setdefault(name, {})[int(rank)] = array
-    return manifest_specs(manifest), shards
+    for rank, entry in check_files(manifest).items():
+        path = _file_path(directory, rank, entry)
+        try:
+            tensors = load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ReshardError(f"cannot read checkpoint file {path}: {exc}") from None
+        if sorted(tensors) != sorted(entry["tensors"]):
+            raise ReshardError(f"checkpoint file {path} holds {sorted(tensors)[:8]}, not the tensors its entry lists")
+        for name, array in tensors.items():
+            want = specs[name].layout.shard_shape(specs[name].shape)
+            if array.shape != want or array.dtype != np.dtype(specs[name].dtype):
+                raise ReshardError(
+                    f"checkpoint file {path} holds {name!r} as {array.dtype}{list(array.shape)}; "
+                    f"the manifest says {specs[name].dtype}{list(want)}"
+                )
+            shards.setdefault(name, {})[rank] = array
+    return specs, shards
 
 
 def reshard_checkpoint(
@@ -229,7 +230,7 @@ def reshard_checkpoint(
     from safetensors.numpy import save_file
 
     src_dir = Path(src_dir)
-    files = {int(r): src_dir / e["path"] for r, e in manifest["files"].items()}
+    files = {r: _file_path(src_dir, r, e) for r, e in check_files(manifest).items()}
     by_rank: dict[int, list] = {}
     for move in plan.moves:
         for rank, pieces in move.plan.sources_by_rank().items():
@@ -264,14 +265,29 @@ def _assemble(plan: ModelPlan, rank: int, moves, files, readers, stack, safe_ope
             if src_rank not in readers:
                 if src_rank not in files:
                     raise ReshardError(f"the plan reads rank {src_rank}, which has no file in the source checkpoint")
-                readers[src_rank] = stack.enter_context(safe_open(str(files[src_rank]), framework="numpy"))
+                try:
+                    readers[src_rank] = stack.enter_context(safe_open(str(files[src_rank]), framework="numpy"))
+                except Exception as exc:  # safetensors raises its own error types for a bad header
+                    raise ReshardError(f"cannot read rank {src_rank}'s file {files[src_rank]}: {exc}") from None
             src_at = _shifted(p.src, p.shape, src_rank, move.dim, move.src_offset)
             try:
-                block = readers[src_rank].get_slice(move.src_name)[local_slices(box, src_at)[:-1]]
+                sliced = readers[src_rank].get_slice(move.src_name)
+                found = (sliced.get_dtype(), list(sliced.get_shape()))
             except Exception as exc:  # safetensors raises its own error types for missing names
                 raise ReshardError(f"cannot read {move.src_name!r} from rank {src_rank}'s file: {exc}") from None
+            _check_stored(plan.src[move.src_name], move.src_name, found, files[src_rank])
+            block = sliced[local_slices(box, src_at)[:-1]]
             target[local_slices(box, dst_at)] = block
     return out
+
+
+def _check_stored(spec: ParamSpec, name: str, found: tuple[str, list[int]], path: Path) -> None:
+    # What the file's header says must be what the manifest says, before a slice is read from it.
+    want = (_ST_DTYPES.get(spec.dtype, spec.dtype), list(spec.layout.shard_shape(spec.shape)))
+    if found != want:
+        raise ReshardError(
+            f"checkpoint file {path} holds {name!r} as {found[0]}{found[1]}; the manifest says {want[0]}{want[1]}"
+        )
 
 
 def _shifted(layout: Layout, shape, rank: int, dim: int, offset: int) -> tuple[int, ...]:

@@ -9,15 +9,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
-import sys
 from collections.abc import Sequence
 
 from ms_layout import LayoutError, ParallelConfig, loads
+from ms_layout.console import run_console
+from ms_layout.files import FileError, read_capped
 
 from .errors import ReshardError
 from .fusion import DEFAULT_FUSIONS, load_rules, part_names
 from .layout_text import format_layout, parse_layout
+from .limits import MAX_LAYERS, MAX_RANKS, MAX_SPEC_FILE_BYTES, check_count, is_int
+from .manifest import CHECKPOINT_DTYPES
 from .model_plan import itemsize_of, model_plan
 from .plan import naive_gather_bytes
 from .planner import plan
@@ -27,31 +31,45 @@ CONFIG_KEYS = ("dp", "tp", "cp", "pp", "ep", "vpp")
 
 def parse_config(text: str) -> ParallelConfig:
     """``dp=2,tp=2,pp=2,opt`` (opt = optimizer sharding), a JSON file of the fields, or an
-    ms-layout msgpack file of a ParallelConfig."""
+    ms-layout msgpack file of a ParallelConfig; at most MS_RESHARD_MAX_RANKS ranks."""
     if os.path.isfile(text):
-        with open(text, "rb") as f:
-            blob = f.read()
         try:
-            return ParallelConfig.from_dict(json.loads(blob)) if blob[:1] == b"{" else loads(blob, "ParallelConfig")
-        except (LayoutError, ValueError, TypeError) as exc:
+            blob = read_capped(text, MAX_SPEC_FILE_BYTES.value, "config file")
+            if blob[:1] != b"{":
+                return _checked_config(loads(blob, "ParallelConfig"), text)
+            data = json.loads(blob.decode("utf-8"))
+        except (LayoutError, FileError, ValueError) as exc:  # ValueError: bad UTF-8 or JSON
             raise ReshardError(f"{text}: not a ParallelConfig ({exc})") from None
-    fields: dict = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        key, sep, value = item.partition("=")
-        if key in ("opt", "optimizer_shard") and not sep:
-            fields["optimizer_shard"] = True
-        elif key == "order" and sep:
-            fields["order"] = value.replace("_", "-")
-        elif key in CONFIG_KEYS and value.isdigit():
-            fields[key] = int(value)
-        else:
-            raise ReshardError(
-                f"config entry {item!r} in {text!r}: expected dp=N, tp=N, cp=N, pp=N, ep=N, vpp=N or opt"
-            )
+        if not isinstance(data, dict):
+            raise ReshardError(f"{text}: not a ParallelConfig (a JSON {type(data).__name__}, expected an object)")
+        fields = data
+    else:
+        fields = {}
+        for item in filter(None, (s.strip() for s in text.split(","))):
+            key, sep, value = item.partition("=")
+            if key in ("opt", "optimizer_shard") and not sep:
+                fields["optimizer_shard"] = True
+            elif key == "order" and sep:
+                fields["order"] = value.replace("_", "-")
+            elif key in CONFIG_KEYS and value.isascii() and value.isdigit():
+                fields[key] = int(value)
+            else:
+                raise ReshardError(
+                    f"config entry {item!r} in {text!r}: expected dp=N, tp=N, cp=N, pp=N, ep=N, vpp=N or opt"
+                )
+    # Refuse a world too large before ParallelConfig builds its meshes (one entry per rank).
+    sizes = [fields.get(k, 1) for k in ("dp", "tp", "cp", "pp")]
+    if all(is_int(s) and s > 0 for s in sizes):
+        check_count(math.prod(sizes), MAX_RANKS, f"ranks (dp*tp*cp*pp) of config {text!r}")
     try:
-        return ParallelConfig(**fields)
+        return _checked_config(ParallelConfig.from_dict(fields), text)
     except LayoutError as exc:
         raise ReshardError(f"config {text!r}: {exc}") from None
+
+
+def _checked_config(config: ParallelConfig, text: str) -> ParallelConfig:
+    check_count(config.world_size, MAX_RANKS, f"ranks (dp*tp*cp*pp) of config {text!r}")
+    return config
 
 
 def plan_report(p, ops: bool) -> dict:
@@ -82,7 +100,7 @@ def _print_plan(p, report: dict, max_ranks: int, ops: bool) -> None:
 
 def _cmd_plan(args) -> None:
     src, dst = parse_layout(args.src), parse_layout(args.dst)
-    shape = _ints(args.shape)
+    shape = _ints(args.shape, "--shape")
     p = plan(src, dst, shape, itemsize_of(args.dtype), args.mem_cap, not args.no_collectives)
     report = plan_report(p, ops=not args.no_ops)
     if args.json:
@@ -92,9 +110,12 @@ def _cmd_plan(args) -> None:
 
 
 def _cmd_checkpoint(args) -> None:
-    from .checkpoint import load_manifest, manifest_specs, reshard_checkpoint, verify
+    from .checkpoint import check_target, load_manifest, manifest_specs, reshard_checkpoint, verify
     from .specs import param_specs
 
+    # Every input is checked before the progress bars start, so an error is the only line printed.
+    if args.dst_dtype is not None and args.dst_dtype not in CHECKPOINT_DTYPES:
+        raise ReshardError(f"--dst-dtype {args.dst_dtype!r}: a checkpoint holds one of {list(CHECKPOINT_DTYPES)}")
     manifest = load_manifest(args.src_dir)
     src_specs = manifest_specs(manifest)
     num_layers, num_experts = _model_facts(manifest, args)
@@ -102,7 +123,6 @@ def _cmd_checkpoint(args) -> None:
     if args.src_config:
         # The manifest's layouts are what the files hold; a given config must agree with them.
         _check_src_config(parse_config(args.src_config), src_specs, num_layers, num_experts)
-    verify(args.src_dir, manifest, progress=not args.json)
     dst_config = parse_config(args.dst_config)
     shapes = {n: s.shape for n, s in src_specs.items()}
     dst_specs = param_specs(shapes, dst_config, num_layers, num_experts, fusions=fusions if args.fuse else ())
@@ -110,6 +130,8 @@ def _cmd_checkpoint(args) -> None:
         first = name if name in src_specs else part_names(name, fusions)[0][0]
         dst_specs[name] = dataclasses.replace(spec, dtype=args.dst_dtype or src_specs[first].dtype)
     mp = model_plan(src_specs, dst_specs, fusions=fusions)
+    check_target(args.dst_dir, args.overwrite)
+    verify(args.src_dir, manifest, progress=not args.json)
     out = reshard_checkpoint(args.src_dir, args.dst_dir, mp, manifest, dst_config, args.overwrite, not args.json)
     summary = {
         "src": str(args.src_dir),
@@ -137,17 +159,23 @@ def _check_src_config(config, src_specs, num_layers, num_experts) -> None:
 
 def _model_facts(manifest, args) -> tuple[int, int | None]:
     model = manifest.get("model") or {}
-    num_layers = args.num_layers or model.get("num_layers")
-    if not num_layers:
+    num_layers = args.num_layers if args.num_layers is not None else model.get("num_layers")
+    if num_layers is None:
         raise ReshardError("the number of decoder layers is needed for pipeline stages: pass --num-layers")
-    return int(num_layers), args.num_experts or model.get("num_experts")
+    if num_layers < 1:
+        raise ReshardError(f"--num-layers {num_layers}: expected a positive number of decoder layers")
+    check_count(num_layers, MAX_LAYERS, "--num-layers")
+    num_experts = args.num_experts if args.num_experts is not None else model.get("num_experts")
+    if num_experts is not None and num_experts < 1:
+        raise ReshardError(f"--num-experts {num_experts}: expected a positive number of experts")
+    return num_layers, num_experts
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ReshardError(f"expected comma-separated ints, got {text!r}") from None
+def _ints(text: str, flag: str) -> list[int]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not all(x.isascii() and x.isdigit() for x in items):
+        raise ReshardError(f"{flag} {text!r}: expected comma-separated non-negative ints")
+    return [int(x) for x in items]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,14 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _run(args) -> None:
+    _cmd_plan(args) if args.command == "plan" else _cmd_checkpoint(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        _cmd_plan(args) if args.command == "plan" else _cmd_checkpoint(args)
-    except (ReshardError, LayoutError) as exc:
-        print(f"ms-reshard: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    """Entry point; bad input is one line on stderr and exit code 2 (--debug shows the traceback)."""
+    return run_console("ms-reshard", build_parser(), _run, argv, (ReshardError, LayoutError))
 
 
 if __name__ == "__main__":

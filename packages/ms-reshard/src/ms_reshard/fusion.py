@@ -11,7 +11,6 @@ all of q on the first ranks and none of v: not what any engine does.)
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -51,21 +50,30 @@ _NAME = re.compile(r"^(?P<prefix>(?:.*\.)?)(?P<module>[^.]+)\.(?P<leaf>[^.]+)$")
 
 def rules_from_data(data: Iterable[Mapping]) -> tuple[FusionRule, ...]:
     """Rules from plain data: [{"fused": "qkv_proj", "parts": ["q_proj", "k_proj", "v_proj"], "dim": 0}]."""
+    if not isinstance(data, (list, tuple)):
+        raise ReshardError(f"fusion rules must be a list of rule objects, got {type(data).__name__}")
     out = []
     for item in data:
-        try:
-            out.append(FusionRule(str(item["fused"]), tuple(item["parts"]), int(item.get("dim", 0))))
-        except (KeyError, TypeError, ValueError) as exc:
-            if isinstance(exc, ReshardError):
-                raise
-            raise ReshardError(f"bad fusion rule {item!r}: {exc}") from None
+        if not isinstance(item, Mapping):
+            raise ReshardError(f"bad fusion rule {item!r:.80}: expected an object {{fused, parts, dim}}")
+        fused, parts = item.get("fused"), item.get("parts")
+        if not isinstance(fused, str) or not isinstance(parts, (list, tuple)):
+            raise ReshardError(f"bad fusion rule {item!r:.80}: needs 'fused' (a name) and 'parts' (a list of names)")
+        out.append(FusionRule(fused, tuple(parts), item.get("dim", 0)))
     return tuple(out)
 
 
 def load_rules(path: str) -> tuple[FusionRule, ...]:
     """Rules from a JSON file holding a list of rule objects."""
-    with open(path, encoding="utf-8") as f:
-        return rules_from_data(json.load(f))
+    from ms_layout.files import FileError, read_json
+
+    from .limits import MAX_SPEC_FILE_BYTES
+
+    try:
+        data = read_json(path, "fusion rules file", max_bytes=MAX_SPEC_FILE_BYTES.value)
+    except FileError as exc:
+        raise ReshardError(str(exc)) from None
+    return rules_from_data(data)
 
 
 def rules_to_data(rules: Sequence[FusionRule]) -> list[dict]:

@@ -11,22 +11,32 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 from ms_layout import NONE, Layout, LayoutError, loads
+from ms_layout.files import FileError, read_capped
 
 from .errors import ReshardError
+from .limits import MAX_RANKS, MAX_SPEC_FILE_BYTES, check_count, check_layout
+
+
+def _rank(text: str, whole: str) -> int:
+    text = text.strip()
+    if not text.isascii() or not text.isdigit():
+        raise ReshardError(f"rank list {whole!r} must be ints and ranges like 0-3,8")
+    return check_count(int(text), MAX_RANKS, f"rank {text} in {whole!r}")
 
 
 def parse_ranks(text: str) -> tuple[int, ...]:
-    """``0-3,8`` -> (0, 1, 2, 3, 8)."""
+    """``0-3,8`` -> (0, 1, 2, 3, 8); at most MS_RESHARD_MAX_RANKS ranks, each below it."""
     out: list[int] = []
-    try:
-        for item in text.split(","):
-            a, sep, b = item.partition("-")
-            out += list(range(int(a), int(b) + 1)) if sep else [int(a)]
-    except ValueError:
-        raise ReshardError(f"rank list {text!r} must be ints and ranges like 0-3,8") from None
+    for item in text.split(","):
+        a, sep, b = item.partition("-")
+        lo = _rank(a, text)
+        hi = _rank(b, text) if sep else lo
+        check_count(len(out) + max(hi - lo + 1, 0), MAX_RANKS, f"ranks in {text!r}")
+        out += range(lo, hi + 1)
     return tuple(out)
 
 
@@ -48,11 +58,13 @@ def format_ranks(ranks) -> str:
 def parse_layout(text: str) -> Layout:
     """A Layout from ``MESH:MAP[@RANKS]`` or from a msgpack file; errors name the text."""
     if os.path.isfile(text):
-        with open(text, "rb") as f:
-            try:
-                return loads(f.read(), expect="Layout")
-            except LayoutError as exc:
-                raise ReshardError(f"{text}: {exc}") from None
+        try:
+            layout = loads(read_capped(text, MAX_SPEC_FILE_BYTES.value, "layout file"), expect="Layout")
+        except (LayoutError, FileError) as exc:
+            raise ReshardError(f"{text}: {exc}") from None
+        if layout.dims is None:
+            raise ReshardError(f"{text}: the layout has no tensor map")
+        return check_layout(layout, f"layout {text!r}")
     body, _, ranks = text.partition("@")
     mesh, sep, tensor_map = body.partition(":")
     if not sep:
@@ -60,15 +72,16 @@ def parse_layout(text: str) -> Layout:
     names, sizes = [], []
     for item in mesh.split(","):
         name, _, size = item.partition("=")
-        if not size.strip().isdigit():
+        if not size.strip().isascii() or not size.strip().isdigit():
             raise ReshardError(f"mesh entry {item!r} in {text!r} must look like name=size")
         names.append(name.strip())
         sizes.append(int(size))
+    check_count(math.prod(sizes), MAX_RANKS, f"ranks of layout {text!r}")
     specs = [] if not tensor_map.strip() else [d.strip() for d in tensor_map.split(",")]
     dims = [NONE if d in ("", "-", NONE) else tuple(d.split("+")) for d in specs]
     try:
         rank_list = parse_ranks(ranks) if ranks else None
-        return Layout(tuple(sizes), tuple(names), rank_list=rank_list)(*dims)
+        return check_layout(Layout(tuple(sizes), tuple(names), rank_list=rank_list)(*dims), f"layout {text!r}")
     except LayoutError as exc:
         raise ReshardError(f"layout {text!r}: {exc}") from None
 

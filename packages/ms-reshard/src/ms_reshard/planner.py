@@ -29,6 +29,7 @@ from ms_layout import Layout, LayoutError
 
 from .collectives import find_collectives
 from .errors import ReshardError
+from .limits import check_layout, check_shape
 from .plan import TensorPlan, box_elems
 from .rounds import assign_rounds
 
@@ -61,15 +62,18 @@ def _check_inputs(
             raise ReshardError(f"{side} must be an ms_layout.Layout with a tensor map, got {layout!r:.120}")
     try:
         shape = tuple(int(s) for s in global_shape)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ReshardError(f"global shape {global_shape!r} must be a sequence of ints") from None
+    if isinstance(itemsize, bool) or not isinstance(itemsize, int) or itemsize <= 0:
+        raise ReshardError(f"itemsize={itemsize!r} must be a positive int")
+    # Sizes from input: the plan's arrays are per rank and its byte counts are int64.
+    check_shape(shape, itemsize, "global shape")
     for side, layout in (("src", src), ("dst", dst)):
+        check_layout(layout, f"{side} layout")
         try:
             layout.shard_shape(shape)
         except LayoutError as exc:
             raise ReshardError(f"{side} layout {layout} cannot hold global shape {shape}: {exc}") from None
-    if isinstance(itemsize, bool) or not isinstance(itemsize, int) or itemsize <= 0:
-        raise ReshardError(f"itemsize={itemsize!r} must be a positive int")
     if mem_cap is not None and (not isinstance(mem_cap, int) or mem_cap < itemsize):
         raise ReshardError(f"mem_cap={mem_cap!r} must be None or an int of at least one element ({itemsize} B)")
     return shape

@@ -7,14 +7,17 @@ little-endian int64 bytes with their shape, so a 4096-rank plan is a few compact
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
-from ms_layout import Layout, LayoutError, dumps, loads
+from ms_layout import LayoutError, dumps, loads
 from ms_layout.serialization import register
 
 from .errors import ReshardError
+from .limits import check_shape, is_int, short_repr
+from .manifest import parse_layout_data
 from .plan import Collective, OpKind, TensorPlan
 
 PLAN_VERSION = 1
@@ -25,8 +28,40 @@ def _arr(a: np.ndarray) -> dict:
     return {"shape": list(a.shape), "data": a.tobytes()}
 
 
-def _unarr(d: dict) -> np.ndarray:
-    return np.frombuffer(d["data"], dtype="<i8").reshape(d["shape"]).astype(np.int64)
+def _unarr(d: Any, what: str, shape: tuple[int | None, ...]) -> np.ndarray:
+    """An int64 array from {shape, data}; `shape` is what it must be (None: any length)."""
+    if not isinstance(d, dict) or not isinstance(d.get("data"), bytes):
+        raise ReshardError(f"plan field {what} = {short_repr(d)}; expected {{shape, data: bytes}}")
+    dims = d.get("shape")
+    if not isinstance(dims, list) or not all(is_int(n) and n >= 0 for n in dims) or len(dims) > 8:
+        raise ReshardError(f"plan field {what}.shape = {short_repr(dims)}; expected a list of non-negative ints")
+    if math.prod(dims) * 8 != len(d["data"]):
+        need, have = math.prod(dims) * 8, len(d["data"])
+        raise ReshardError(f"plan field {what}: shape {dims} needs {need} bytes, its data has {have}")
+    if len(dims) != len(shape) or any(w is not None and w != n for n, w in zip(dims, shape)):
+        want = ["*" if w is None else w for w in shape]
+        raise ReshardError(f"plan field {what} has shape {dims}; expected {want}")
+    return np.frombuffer(d["data"], dtype="<i8").reshape(dims).astype(np.int64)
+
+
+def _int(value: Any, what: str, lo: int = 0) -> int:
+    if not is_int(value) or value < lo or value >= 1 << 62:
+        raise ReshardError(f"plan field {what} = {short_repr(value)}; expected an int >= {lo}")
+    return value
+
+
+def _ids(a: np.ndarray, n: int, what: str, lo: int = 0) -> np.ndarray:
+    if a.size and (a.min() < lo or a.max() >= n):
+        raise ReshardError(f"plan field {what} holds ids outside {lo}..{n - 1}")
+    return a
+
+
+def _version(d: Any, what: str) -> None:
+    if not isinstance(d, dict):
+        raise ReshardError(f"not a {what}: a {type(d).__name__}, expected a map")
+    version = d.get("version")
+    if not is_int(version) or not 1 <= version <= PLAN_VERSION:
+        raise ReshardError(f"{what} version {short_repr(version)}; this reader knows 1..{PLAN_VERSION}")
 
 
 def plan_to_dict(plan: TensorPlan) -> dict:
@@ -63,38 +98,78 @@ def plan_to_dict(plan: TensorPlan) -> dict:
 
 
 def plan_from_dict(d: Any) -> TensorPlan:
-    """Inverse of plan_to_dict; anything malformed is a ReshardError."""
+    """Inverse of plan_to_dict; anything malformed is a ReshardError naming the field.
+
+    Every field is checked for its type, every array for its shape and every id for its range, so
+    a plan read from bytes can be printed and validated (validate.py) without other errors."""
+    _version(d, "reshard plan")
+    src = parse_layout_data(d.get("src"), "plan field src")
+    dst = parse_layout_data(d.get("dst"), "plan field dst")
+    itemsize = _int(d.get("itemsize"), "itemsize", 1)
+    shape = check_shape(d.get("shape"), itemsize, "plan field shape")
+    for side, layout in (("src", src), ("dst", dst)):
+        try:
+            layout.shard_shape(shape)
+        except LayoutError as exc:
+            raise ReshardError(f"plan field {side} cannot hold shape {list(shape)}: {exc}") from None
+    mem_cap = d.get("mem_cap")
+    if mem_cap is not None:
+        _int(mem_cap, "mem_cap", 1)
+    ranks = _unarr(d.get("ranks"), "ranks", (None,))
+    if ranks.size and (ranks.min() < 0 or (np.diff(ranks) <= 0).any()):
+        raise ReshardError("plan field ranks must be ascending distinct non-negative ranks")
+    n, nd = len(ranks), len(shape)
+    copy, xfer, nbytes = (_section(d, k) for k in ("copy", "xfer", "bytes"))
+    copy_id = _ids(_unarr(copy.get("id"), "copy.id", (None,)), n, "copy.id")
+    copy_box = _unarr(copy.get("box"), "copy.box", (len(copy_id), nd, 2))
+    xfer_src = _ids(_unarr(xfer.get("src"), "xfer.src", (None,)), n, "xfer.src")
+    m = len(xfer_src)
+    xfer_dst = _ids(_unarr(xfer.get("dst"), "xfer.dst", (m,)), n, "xfer.dst")
+    xfer_round = _unarr(xfer.get("round"), "xfer.round", (m,))
+    xfer_box = _unarr(xfer.get("box"), "xfer.box", (m, nd, 2))
+    counts = [_unarr(nbytes.get(k), f"bytes.{k}", (n,)) for k in ("sent", "received", "lower_bound")]
+    if not isinstance(d.get("collectives"), list):
+        raise ReshardError(f"plan field collectives = {short_repr(d.get('collectives'))}; expected a list")
+    cols = tuple(_collective(c, i, n, nd) for i, c in enumerate(d["collectives"]))
+    notes = d.get("notes")
+    if not isinstance(notes, list) or not all(isinstance(s, str) for s in notes):
+        raise ReshardError(f"plan field notes = {short_repr(notes)}; expected a list of strings")
+    rounds = _int(d.get("rounds"), "rounds", 1)
+    if (xfer_round.size and (xfer_round.min() < 0 or xfer_round.max() >= rounds)) or any(
+        c.round >= rounds for c in cols
+    ):
+        raise ReshardError(f"plan holds rounds outside 0..{rounds - 1}")
+    return TensorPlan(
+        src, dst, shape, itemsize, mem_cap, ranks, copy_id, copy_box, xfer_src, xfer_dst, xfer_round, xfer_box,
+        cols, *counts, rounds, tuple(notes),
+    )  # fmt: skip
+
+
+def _section(d: dict, key: str) -> dict:
+    if not isinstance(d.get(key), dict):
+        raise ReshardError(f"plan field {key} = {short_repr(d.get(key))}; expected a map")
+    return d[key]
+
+
+def _collective(c: Any, i: int, n: int, nd: int) -> Collective:
+    what = f"collectives[{i}]"
+    if not isinstance(c, dict):
+        raise ReshardError(f"plan field {what} = {short_repr(c)}; expected a map")
     try:
-        if d["version"] > PLAN_VERSION:
-            raise ReshardError(f"plan version {d['version']} is newer than this reader ({PLAN_VERSION})")
-        cols = tuple(
-            Collective(OpKind(c["kind"]), tuple(c["members"]), _unarr(c["boxes"]), int(c["elems"]), int(c["round"]))
-            for c in d["collectives"]
-        )
-        return TensorPlan(
-            Layout.from_dict(d["src"]),
-            Layout.from_dict(d["dst"]),
-            tuple(d["shape"]),
-            int(d["itemsize"]),
-            d["mem_cap"],
-            _unarr(d["ranks"]),
-            _unarr(d["copy"]["id"]),
-            _unarr(d["copy"]["box"]),
-            _unarr(d["xfer"]["src"]),
-            _unarr(d["xfer"]["dst"]),
-            _unarr(d["xfer"]["round"]),
-            _unarr(d["xfer"]["box"]),
-            cols,
-            _unarr(d["bytes"]["sent"]),
-            _unarr(d["bytes"]["received"]),
-            _unarr(d["bytes"]["lower_bound"]),
-            int(d["rounds"]),
-            tuple(d["notes"]),
-        )
-    except ReshardError:
-        raise
-    except (KeyError, TypeError, ValueError, LayoutError) as exc:
-        raise ReshardError(f"not a reshard plan ({type(exc).__name__}: {exc})") from None
+        kind = OpKind(c.get("kind"))
+    except ValueError:
+        kind_text = short_repr(c.get("kind"))
+        raise ReshardError(f"plan field {what}.kind = {kind_text}; expected all_gather or all_to_all") from None
+    members = c.get("members")
+    if kind not in (OpKind.ALL_GATHER, OpKind.ALL_TO_ALL) or not isinstance(members, list) or len(members) < 2:
+        raise ReshardError(f"plan field {what}: kind {kind.value!r} with members {short_repr(members)}")
+    if not all(is_int(m) and 0 <= m < n for m in members) or sorted(set(members)) != members:
+        raise ReshardError(f"plan field {what}.members = {short_repr(members)}; expected ascending ids in 0..{n - 1}")
+    k = len(members)
+    box_shape = (k, nd, 2) if kind is OpKind.ALL_GATHER else (k, k, nd, 2)
+    boxes = _unarr(c.get("boxes"), f"{what}.boxes", box_shape)
+    elems, rnd = _int(c.get("elems"), f"{what}.elems"), _int(c.get("round"), f"{what}.round")
+    return Collective(kind, tuple(members), boxes, elems, rnd)
 
 
 def plan_to_bytes(plan: TensorPlan) -> bytes:
@@ -141,26 +216,53 @@ def model_plan_to_dict(mp) -> dict:
 
 
 def model_plan_from_dict(d: Any):
-    """Inverse of model_plan_to_dict; anything malformed is a ReshardError."""
-    from .model_plan import ModelPlan, ParamSpec, PartMove
+    """Inverse of model_plan_to_dict; anything malformed is a ReshardError naming the field."""
+    from .model_plan import ModelPlan, PartMove
 
-    try:
-        if d["version"] > PLAN_VERSION:
-            raise ReshardError(f"model plan version {d['version']} is newer than this reader ({PLAN_VERSION})")
+    _version(d, "model plan")
+    plans_data, moves_data, unused = d.get("plans"), d.get("moves"), d.get("unused")
+    if not isinstance(plans_data, list) or not isinstance(moves_data, list):
+        raise ReshardError("model plan needs lists 'plans' and 'moves'")
+    if not isinstance(unused, list) or not all(isinstance(u, str) for u in unused):
+        raise ReshardError(f"model plan field unused = {short_repr(unused)}; expected a list of names")
+    plans = [plan_from_dict(p) for p in plans_data]
+    src, dst = _specs(d.get("src"), "src"), _specs(d.get("dst"), "dst")
+    moves = []
+    for k, m in enumerate(moves_data):
+        if (
+            not isinstance(m, list)
+            or len(m) != 6
+            or not all(isinstance(x, str) for x in m[:2])
+            or not all(is_int(x) and x >= 0 for x in m[2:])
+        ):
+            expected = "[src name, dst name, dim, src offset, dst offset, plan index]"
+            raise ReshardError(f"model plan field moves[{k}] = {short_repr(m)}; expected {expected}")
+        a, b, dim, src_off, dst_off, i = m
+        if a not in src or b not in dst or i >= len(plans):
+            raise ReshardError(f"model plan field moves[{k}] = {short_repr(m)} names an unknown parameter or plan")
+        moves.append(PartMove(a, b, dim, src_off, dst_off, plans[i]))
+    return ModelPlan(src, dst, tuple(moves), tuple(unused))
 
-        def spec(x: dict) -> ParamSpec:
-            layout = Layout.from_dict(x["layout"])
-            return ParamSpec(layout, tuple(x["shape"]), x["dtype"], tuple(x["parts"]), int(x["part_dim"]))
 
-        plans = [plan_from_dict(p) for p in d["plans"]]
-        moves = tuple(PartMove(a, b, int(c), int(e), int(f), plans[i]) for a, b, c, e, f, i in d["moves"])
-        src = {n: spec(x) for n, x in d["src"].items()}
-        dst = {n: spec(x) for n, x in d["dst"].items()}
-        return ModelPlan(src, dst, moves, tuple(d["unused"]))
-    except ReshardError:
-        raise
-    except (KeyError, TypeError, ValueError, IndexError, LayoutError) as exc:
-        raise ReshardError(f"not a model plan ({type(exc).__name__}: {exc})") from None
+def _specs(data: Any, side: str) -> dict:
+    from .model_plan import ITEMSIZE, ParamSpec
+
+    if not isinstance(data, dict):
+        raise ReshardError(f"model plan field {side} = {short_repr(data)}; expected a map of parameter specs")
+    out = {}
+    for name, x in data.items():
+        what = f"model plan field {side}[{name!r}]"
+        if not isinstance(name, str) or not isinstance(x, dict):
+            raise ReshardError(f"{what} = {short_repr(x)}; expected a parameter spec")
+        if not isinstance(x.get("dtype"), str) or x["dtype"] not in ITEMSIZE:
+            raise ReshardError(f"{what}.dtype = {short_repr(x.get('dtype'))}; expected one of {sorted(ITEMSIZE)}")
+        shape = check_shape(x.get("shape"), ITEMSIZE[x["dtype"]], f"{what}.shape")
+        layout = parse_layout_data(x.get("layout"), f"{what}.layout")
+        parts, part_dim = x.get("parts"), x.get("part_dim")
+        if not isinstance(parts, list) or not all(is_int(p) and p >= 0 for p in parts) or not is_int(part_dim):
+            raise ReshardError(f"{what}: parts = {short_repr(parts)}, part_dim = {short_repr(part_dim)}")
+        out[name] = ParamSpec(layout, shape, x["dtype"], tuple(parts), part_dim)
+    return out
 
 
 def _register() -> None:

@@ -291,3 +291,22 @@ def test_huge_config_is_refused_before_allocating(cli_inputs):
     assert usage.ru_maxrss < 1024 * 1024, f"peak RSS {usage.ru_maxrss} KiB"
     cli = subprocess.run([sys.executable, "-m", "ms_models.cli", "info", cli_inputs["HUGE"]], capture_output=True)
     assert cli.returncode == 2 and cli.stderr.decode().startswith("ms-models: error: vocab_size = 1000000000000")
+
+
+def test_hub_cache_snapshot_links_into_blobs_load_and_others_do_not(good, tmp_path):
+    """REPO/snapshots/REV/* -> ../../blobs/HASH is how huggingface_hub lays out a download."""
+    repo = tmp_path / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    for f in sorted(good.iterdir()):
+        if f.name == MANIFEST:
+            continue
+        shutil.copy(f, repo / "blobs" / f"h{f.name}")
+        os.symlink(f"../../blobs/h{f.name}", snap / f.name)
+    tensors = read_safetensors(snap)
+    assert sorted(tensors) == sorted(read_safetensors(good))
+    shutil.copy(good / "model.safetensors", tmp_path / "elsewhere.safetensors")
+    os.symlink(tmp_path / "elsewhere.safetensors", snap / "extra.safetensors")
+    with pytest.raises(ModelError, match="'extra.safetensors' resolves to"):
+        read_safetensors(snap)

@@ -108,11 +108,30 @@ def load_state_dict(model, tensors: dict[str, np.ndarray], strict: bool = True) 
 
 
 def _inside(directory: str, name: object, what: str) -> str:
-    """`name` (read from an index or a manifest) as a path inside `directory`, or a ModelError."""
+    """`name` (read from an index or a manifest) as a path inside `directory`, or a ModelError.
+
+    A Hugging Face hub snapshot (``REPO/snapshots/REV/``) holds symlinks into ``REPO/blobs/``: those
+    links, and only those, may leave the folder."""
     try:
         return os.fspath(safe_join(directory, name, what=what))
     except FileError as exc:
-        raise ModelError(str(exc)) from None
+        blobs = _hub_blobs(directory)
+        if blobs is None or "resolves to" not in str(exc):
+            raise ModelError(str(exc)) from None
+        try:
+            return os.fspath(safe_join(blobs, os.path.relpath(os.path.realpath(os.path.join(directory, name)), blobs)))
+        except FileError:
+            raise ModelError(str(exc)) from None
+
+
+def _hub_blobs(directory: str) -> str | None:
+    """``REPO/blobs`` if `directory` is a hub cache snapshot ``REPO/snapshots/REV``, else None."""
+    real = os.path.realpath(directory)
+    parent = os.path.dirname(real)
+    if os.path.basename(parent) != "snapshots":
+        return None
+    blobs = os.path.join(os.path.dirname(parent), "blobs")
+    return blobs if os.path.isdir(blobs) else None
 
 
 def _safetensor_files(path: str) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import tempfile
 import threading
 import time
@@ -12,6 +13,16 @@ import urllib.request
 import pytest
 
 from ms_monitor import Daemon, DaemonConfig, Monitor
+from ms_monitor.auth import STATE_DIR_ENV, token_for_url
+
+
+@pytest.fixture(autouse=True)
+def state_dir(tmp_path_factory, monkeypatch):
+    """Daemons write their made tokens here, not in ~/.cache (the CLI in the tests reads them here too)."""
+    path = tmp_path_factory.mktemp("state")
+    monkeypatch.setenv(STATE_DIR_ENV, str(path))
+    monkeypatch.delenv("MS_MONITOR_TOKEN", raising=False)
+    return path
 
 
 def wait_for(cond, timeout=20.0, what="condition"):
@@ -25,13 +36,29 @@ def wait_for(cond, timeout=20.0, what="condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def get_json(url, body=None, token=None):
+def get_json(url, body=None, token=None, auto_token=True):
+    """GET (or POST `body`) as the CLI does: with `token`, else the daemon's token file for a POST."""
     headers = {"Content-Type": "application/json"}
+    if token is None and auto_token and body is not None:
+        token = token_for_url(url)
     if token:
         headers["Authorization"] = f"Bearer {token}"
     req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(), headers=headers)
     with urllib.request.urlopen(req, timeout=15) as resp:
         return json.loads(resp.read())
+
+
+def raw_http(port, request, raw=False, timeout=15):
+    """Send raw request bytes to 127.0.0.1:port; (status, JSON body or None), or the body bytes if raw."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(request)
+        data = b""
+        while chunk := s.recv(1 << 16):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    if raw:
+        return body
+    return int(head.split(b" ", 2)[1]), (json.loads(body) if body else None)
 
 
 @pytest.fixture

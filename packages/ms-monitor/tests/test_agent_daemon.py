@@ -130,7 +130,7 @@ def test_token_is_required_when_configured(tmp_path, sock_dir, monkeypatch):
         wait_for(lambda: d.store.received == 1, what="sample with the token")
         mon.close()
         with pytest.raises(urllib.error.HTTPError) as err:
-            get_json(d.http_url + "/api/trace", {"steps": 1})
+            get_json(d.http_url + "/api/trace", {"steps": 1}, auto_token=False)
         assert err.value.code == 401
         with pytest.raises(urllib.error.HTTPError) as err:  # right token, but nothing to trace: 400, not 401
             get_json(d.http_url + "/api/trace", {"steps": 1, "ranks": [5]}, token="s3cret")
@@ -146,16 +146,25 @@ def test_config_refuses_exposed_listeners_without_token(kw):
 
 
 def test_status_and_series_api(daemon):
-    ranks = Ranks(daemon.agent_addrs[0], ranks=(0, 1, 2))
-    try:
-        wait_for(lambda: len(get_json(daemon.http_url + "/api/series")["ranks"]) == 3, what="3 ranks")
-    finally:
-        ranks.close()
+    # each rank steps a known number of times, so the newest-5 window of every rank is known exactly
+    steps = {0: 20, 1: 18, 2: 22}
+    for rank, n in steps.items():
+        mon = Monitor(rank=rank, world_size=3, addr=daemon.agent_addrs[0])
+        for _ in range(n):
+            with mon.step(tokens=128):
+                with mon.range("forward"):
+                    pass
+        mon.close()
+    wait_for(
+        lambda: {r["rank"]: r["received"] for r in get_json(daemon.http_url + "/api/status")["ranks"]} == steps,
+        what="every step of the 3 ranks",
+    )
     status = get_json(daemon.http_url + "/api/status")
-    assert [(r["rank"], r["last_step"] > 0) for r in status["ranks"]] == [(0, True), (1, True), (2, True)]
+    assert [(r["rank"], r["last_step"]) for r in status["ranks"]] == [(0, 20), (1, 18), (2, 22)]
     series = get_json(daemon.http_url + "/api/series?last=5")
-    # the newest 5 steps of every rank (ranks in threads do not step in lockstep)
-    assert 5 <= len(series["steps"]) <= 15 and len(series["step_time"]) == 3
-    assert all(sum(v is not None for v in row) >= 5 for row in series["step_time"])
+    # the union of each rank's newest 5 steps: 16..20, 14..18 and 18..22
+    assert series["ranks"] == [0, 1, 2] and series["steps"] == list(range(14, 23))
+    # a rank's row holds every step of its window in that range: 14..20, 14..18, 14..22
+    assert [sum(v is not None for v in row) for row in series["step_time"]] == [7, 5, 9]
     page = urllib.request.urlopen(daemon.http_url + "/").read().decode()
     assert "api/series" in page and "<svg" in page

@@ -6,6 +6,7 @@ import os
 import pytest
 from conftest import Ranks, get_json, wait_for
 
+from ms_layout.files import verify_manifest
 from ms_monitor import Daemon, DaemonConfig, check_chrome_trace
 from ms_monitor.cli import main, parse_ranks
 
@@ -43,8 +44,9 @@ def test_trace_captures_the_requested_steps_of_each_rank(daemon):
         ranges = {e["name"] for e in doc["traceEvents"] if e["pid"] == rank and e.get("cat") in ("phase", "comm")}
         assert ranges == {"forward", "allreduce"}
     assert still_running > start + 2  # the ranks kept stepping through and after the capture
-    manifest = json.load(open(os.path.join(os.path.dirname(job["path"]), "manifest.json")))
-    assert manifest["bytes"] == os.path.getsize(job["path"]) and manifest["ranks"] == [0, 2]
+    manifest = verify_manifest(os.path.dirname(job["path"]))  # sizes and sha256 match
+    assert manifest["files"]["merged_trace.json"]["bytes"] == os.path.getsize(job["path"])
+    assert manifest["ranks"] == [0, 2] and manifest["file"] == "merged_trace.json"
 
 
 def test_aggregator_traces_ranks_behind_a_relay(tmp_path, sock_dir):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import logging
 import os
@@ -11,7 +12,12 @@ import time
 import urllib.error
 import urllib.request
 from typing import Any
+from urllib.parse import urlparse
 
+from ms_layout.console import run_console
+from ms_layout.files import atomic_write, atomic_write_json
+
+from . import auth, wire
 from .detect import DetectorConfig
 from .errors import MonitorError
 
@@ -21,17 +27,38 @@ DEFAULT_URL = "http://127.0.0.1:7780"
 
 def parse_ranks(text: str) -> list[int]:
     """``"0-3,6"`` -> [0, 1, 2, 3, 6]."""
-    out: list[int] = []
+    out: set[int] = set()
     for part in text.split(","):
         part = part.strip()
         lo, sep, hi = part.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
+        if not (lo.isascii() and lo.isdigit()) or (sep and not (hi.isascii() and hi.isdigit())):
             raise MonitorError(f"--ranks {text!r}: {part!r} is not N or N-M")
         a, b = int(lo), int(hi) if sep else int(lo)
         if b < a:
             raise MonitorError(f"--ranks {text!r}: {part!r} is an empty range")
-        out += range(a, b + 1)
-    return sorted(set(out))
+        wire.MAX_RANK.check(b, f"--ranks {text!r}: rank", MonitorError)
+        if len(out) + b - a >= 1 << 16:
+            raise MonitorError(f"--ranks {text!r} names more than 65536 ranks")
+        out.update(range(a, b + 1))
+    return sorted(out)
+
+
+def check_url(url: str) -> str:
+    """``url`` without a trailing slash, if it is an http(s)://HOST[:PORT] address."""
+    parts = urlparse(url)
+    try:
+        parts.port  # noqa: B018 -- raises for a port that is not a number in 0..65535
+    except ValueError:
+        raise MonitorError(f"--url {url!r} has a port that is not a number in 1..65535") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise MonitorError(f"--url {url!r} is not an http://HOST:PORT address")
+    return url.rstrip("/")
+
+
+def _fields(doc: Any, keys: tuple[str, ...], url: str) -> Any:
+    if not isinstance(doc, dict) or any(k not in doc for k in keys):
+        raise MonitorError(f"{url} did not answer as an ms-monitor daemon (expected the keys {list(keys)})")
+    return doc
 
 
 def _request(url: str, body: dict | None = None, token: str | None = None, timeout: float = 15.0) -> Any:
@@ -43,6 +70,10 @@ def _request(url: str, body: dict | None = None, token: str | None = None, timeo
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read())
+    except ValueError as exc:  # not JSON (another server on that port), or a URL urllib cannot use
+        raise MonitorError(f"{url}: {exc}") from None
+    except http.client.HTTPException as exc:  # not HTTP at all
+        raise MonitorError(f"{url}: not an HTTP answer ({type(exc).__name__}: {exc})") from None
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")
         try:
@@ -64,52 +95,51 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         regress_ratio=args.regress_ratio,
         jitter_cv=args.jitter_cv,
     )
+    limits = {k: getattr(args, k) for k in ("max_ranks", "max_connections", "http_timeout") if getattr(args, k)}
     cfg = DaemonConfig(
         host=args.host,
-        port=None if args.port < 0 else args.port,
+        port=None if args.port == -1 else args.port,
         unix=args.unix,
         http_host=args.http_host,
-        http_port=None if args.http_port < 0 else args.http_port,
-        token=args.token or os.environ.get("MS_MONITOR_TOKEN"),
+        http_port=None if args.http_port == -1 else args.http_port,
+        token=args.token or os.environ.get(auth.TOKEN_ENV),
+        token_file=args.token_file,
+        allow_local_unauthenticated=args.allow_local_unauthenticated,
+        http_allow_hosts=tuple(args.http_allow_host),
         forward=args.forward,
         jsonl=args.jsonl,
         tensorboard=args.tensorboard,
         window=args.window,
         detector=detector,
+        **limits,
         **({"trace_dir": args.trace_dir} if args.trace_dir else {}),
     )
     daemon = Daemon(cfg)
 
-    async def main() -> None:
-        await daemon.start()
-        ready = {"agents": daemon.agent_addrs, "http": daemon.http_url, "pid": os.getpid()}
-        print(
-            json.dumps(ready)
-            if args.json
-            else f"ms-monitor daemon: agents {daemon.agent_addrs}, http {daemon.http_url}",
-            flush=True,
-        )
+    def ready() -> None:
+        info = {"agents": daemon.agent_addrs, "http": daemon.http_url, "pid": os.getpid()}
+        info["token_file"] = daemon.token_file
+        text = f"ms-monitor daemon: agents {daemon.agent_addrs}, http {daemon.http_url}"
+        print(json.dumps(info) if args.json else text, flush=True)
         if args.ready_file:
-            tmp = args.ready_file + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(ready, f)
-            os.replace(tmp, args.ready_file)
-        assert daemon._stopped is not None
-        await daemon._stopped.wait()
+            atomic_write_json(args.ready_file, info)
 
     import asyncio
 
     try:
-        asyncio.run(main())
+        asyncio.run(daemon.serve(ready))
     except KeyboardInterrupt:
         pass
     except OSError as exc:  # a port in use, a socket path not writable
+        raise MonitorError(f"the daemon cannot listen: {exc.strerror or exc}") from None
+    except OverflowError as exc:  # a port number the system refuses
         raise MonitorError(f"the daemon cannot listen: {exc}") from None
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    status = _request(args.url.rstrip("/") + "/api/status")
+    url = check_url(args.url) + "/api/status"
+    status = _fields(_request(url), ("ranks", "alerts", "active_alerts", "received", "traces"), url)
     if args.json:
         print(json.dumps({k: status[k] for k in ("ranks", "alerts", "active_alerts", "received", "traces")}, indent=1))
         return 0
@@ -131,7 +161,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    base = args.url.rstrip("/")
+    base = check_url(args.url)
+    if not 1 <= args.steps <= 100000:
+        raise MonitorError(f"--steps {args.steps} is not a number of steps in 1..100000")
+    if not 0 < args.timeout <= 86400:
+        raise MonitorError(f"--timeout {args.timeout:g} is not a number of seconds in (0, 86400]")
     req = {
         "ranks": parse_ranks(args.ranks) if args.ranks else None,
         "steps": args.steps,
@@ -140,7 +174,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
         "analyse": args.analyse,
         "timeout": args.timeout,
     }
-    job = _request(base + "/api/trace", req, token=args.token or os.environ.get("MS_MONITOR_TOKEN"))
+    token = args.token or auth.token_for_url(base, args.token_file)
+    keys = ("id", "state", "start_step", "steps", "expected", "dyno_ranks", "errors", "path", "sources")
+    job = _fields(_request(base + "/api/trace", req, token=token), keys, base + "/api/trace")
     if not args.json:
         print(
             f"trace {job['id']}: steps {job['start_step']}..{job['start_step'] + job['steps'] - 1} "
@@ -153,17 +189,14 @@ def cmd_trace(args: argparse.Namespace) -> int:
         if time.monotonic() > deadline:
             raise MonitorError(f"trace {job['id']} still running after {args.timeout + 30:.0f} s")
         time.sleep(0.5)
-        job = _request(f"{base}/api/trace/{job['id']}")
+        job = _fields(_request(f"{base}/api/trace/{job['id']}"), keys, base + "/api/trace")
     if job["state"] != "done":
         raise MonitorError(f"trace {job['id']} {job['state']}: {job['errors']}")
     if args.out:
         req_ = urllib.request.Request(f"{base}/api/trace/{job['id']}/merged")
         with urllib.request.urlopen(req_, timeout=60) as resp:
             data = resp.read()
-        tmp = args.out + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, args.out)
+        atomic_write(args.out, data)
         job["out"] = os.path.abspath(args.out)
     if args.json:
         print(json.dumps(job, indent=1))
@@ -172,6 +205,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
         for rank, err in job["errors"].items():
             print(f"  rank {rank}: {err}")
     return 0
+
+
+def _debug_flag(parser: argparse.ArgumentParser) -> None:
+    # also after the sub-command; SUPPRESS keeps it from resetting a --debug given before it
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,6 +224,22 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--http-host", default="127.0.0.1")
     d.add_argument("--http-port", type=int, default=7780, help="dashboard/metrics/API port (0: any, -1: none)")
     d.add_argument("--token", help="shared secret (or MS_MONITOR_TOKEN); required beyond loopback")
+    d.add_argument(
+        "--token-file",
+        help="where a daemon without --token writes the token it makes, mode 0600 "
+        "(default $MS_MONITOR_STATE_DIR or ~/.cache/ms-monitor, file token-<http port>)",
+    )
+    d.add_argument(
+        "--allow-local-unauthenticated",
+        action="store_true",
+        help="accept HTTP commands (trace) from loopback clients without the token",
+    )
+    d.add_argument("--http-allow-host", action="append", default=[], help="a further name accepted in the Host header")
+    d.add_argument("--max-ranks", type=int, help="ranks tracked at most (default $MS_MONITOR_MAX_RANKS or 4096)")
+    d.add_argument(
+        "--max-connections", type=int, help="agent connections at most (default $MS_MONITOR_MAX_CONNECTIONS or 1024)"
+    )
+    d.add_argument("--http-timeout", type=float, help="seconds an HTTP client may stay silent (default 10)")
     d.add_argument("--forward", help="relay samples to a cluster aggregator at tcp:HOST:PORT")
     d.add_argument("--trace-dir", help="where merged traces are written")
     d.add_argument("--jsonl", help="append samples and alerts to this JSON-lines file")
@@ -201,12 +255,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ready-file", help="write the bound addresses as JSON to this file once listening")
     d.add_argument("--json", action="store_true")
     d.set_defaults(fn=cmd_daemon)
+    _debug_flag(d)
 
     url = os.environ.get(URL_ENV, DEFAULT_URL)
     s = sub.add_parser("status", help="ranks, their last step, and alerts")
     s.add_argument("--url", default=url, help=f"daemon HTTP address (default ${URL_ENV} or {DEFAULT_URL})")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_status)
+    _debug_flag(s)
 
     t = sub.add_parser("trace", help="capture N steps of the running job on some ranks, merged into one trace")
     t.add_argument("--ranks", help="e.g. 0-3 or 0,2 (default: all)")
@@ -222,23 +278,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--timeout", type=float, default=180.0)
     t.add_argument("--url", default=url)
-    t.add_argument("--token")
+    t.add_argument("--token", help="the daemon's token (default $MS_MONITOR_TOKEN, then its token file)")
+    t.add_argument("--token-file", help="read the token from this file")
     t.add_argument("--json", action="store_true")
     t.set_defaults(fn=cmd_trace)
+    _debug_flag(t)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose or args.command == "daemon" else logging.WARNING,
         format="%(asctime)s %(levelname)s %(message)s",
     )
-    try:
-        return args.fn(args)
-    except MonitorError as exc:
-        print(f"ms-monitor: error: {exc}", file=sys.stderr)
-        return 2
+    return args.fn(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_console("ms-monitor", build_parser(), _run, argv, (MonitorError,))
 
 
 if __name__ == "__main__":

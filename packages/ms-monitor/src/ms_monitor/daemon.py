@@ -7,89 +7,34 @@ aggregator is slow), and trace commands from the aggregator are run here as loca
 go back up. An HTTP server (``http_api.py``) runs in a thread beside the loop and reads the store.
 
 Security: listeners default to 127.0.0.1; binding anything else requires a token, which agents
-send in their hello and HTTP clients in ``Authorization: Bearer`` for commands that change a
-process (trace). Every message is validated against its schema; nothing is unpickled.
+then send in their hello. HTTP commands that change a process (trace) always need the token in
+``Authorization: Bearer``; a daemon without ``--token`` makes one and writes it to a 0600 file the
+CLI reads (``auth.py``). Every message is validated against its schema; nothing is unpickled.
+What clients can make the daemon hold is bounded (``config.py``): ranks tracked, connections,
+frame and body sizes, read timeouts.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-import ipaddress
+import contextlib
 import logging
 import os
+import signal
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import wire
-from .capture import default_trace_root
-from .detect import DetectorConfig
+from . import auth, wire
+from .config import DaemonConfig
 from .errors import FrameError, MonitorError, WireError
-from .exporters import JsonlWriter, TensorBoardWriter
-from .relay import Relay, read_message
+from .exporters import JsonlWriter, TensorBoardWriter, prometheus_text
+from .http_api import Api, start_http
+from .relay import Relay
 from .store import Store
-from .traces import DYNO_POLL, TraceJob, TraceManager, choose_start, dyno_config
+from .traces import TraceJob, TraceManager, dyno_config, start_step
 
 log = logging.getLogger("ms_monitor.daemon")
-#: seconds ahead of the ranks' newest step at which an agent trace starts (commands arrive within ~0.1 s)
-AGENT_LEAD = 0.25
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding ``host`` keeps a listener on this machine ("" and 0.0.0.0 mean every interface)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-@dataclass
-class DaemonConfig:
-    """Where the daemon listens and what it exports."""
-
-    host: str = "127.0.0.1"
-    """host of the agent TCP listener"""
-    port: int | None = 7781
-    """agent TCP port (0: any free port, None: no TCP listener)"""
-    unix: str | None = None
-    """path of a Unix socket for agents (mode 0600)"""
-    http_host: str = "127.0.0.1"
-    """host of the HTTP server (dashboard, /metrics, API)"""
-    http_port: int | None = 7780
-    """HTTP port (0: any free port, None: no HTTP server)"""
-    token: str | None = None
-    """shared secret; required when any listener is beyond loopback"""
-    forward: str | None = None
-    """address of a cluster aggregator to relay samples to (``tcp:host:port``)"""
-    trace_dir: str = field(default_factory=default_trace_root)
-    """where trace jobs write their merged traces"""
-    jsonl: str | None = None
-    """append every sample and alert as a JSON line to this file"""
-    tensorboard: str | None = None
-    """write TensorBoard scalars under this directory"""
-    window: int = 600
-    """samples kept per rank"""
-    detector: DetectorConfig = field(default_factory=DetectorConfig)
-    """detector thresholds"""
-    trace_timeout: float = 180.0
-    """seconds after which a trace job finishes with whatever arrived"""
-
-    def check(self) -> None:
-        exposed = [
-            h
-            for h, p in ((self.host, self.port), (self.http_host, self.http_port))
-            if p is not None and not is_loopback(h)
-        ]
-        if exposed and not self.token:
-            raise MonitorError(f"listening on {exposed} (beyond loopback) needs a token (--token or MS_MONITOR_TOKEN)")
-        if self.port is None and self.unix is None:
-            raise MonitorError("the daemon needs an agent listener: a TCP port or a Unix socket path")
-        if self.forward:
-            wire.parse_address(self.forward)
 
 
 class Conn:
@@ -102,6 +47,7 @@ class Conn:
         self.host: str = hello.get("host", "")
         self.poll: bool = hello.get("poll", True)  # a dyno connection that takes configs
         self.ranks: set[int] = set() if self.role == "relay" else {self.rank}
+        self.told_refused = False  # whether it was told that some of its ranks are over the limit
 
     def send(self, msg: dict) -> None:
         if not self.writer.is_closing():
@@ -114,9 +60,14 @@ class Daemon:
     def __init__(self, config: DaemonConfig | None = None):
         self.config = config or DaemonConfig()
         self.config.check()
-        self.store = Store(self.config.window, self.config.detector)
+        cfg = self.config
+        self.store = Store(cfg.window, cfg.detector, cfg.max_ranks)
         self.conns: set[Conn] = set()
-        self.relay = Relay(self) if self.config.forward else None
+        self.relay = Relay(cfg.forward, self.trace, cfg.token) if cfg.forward else None
+        self.token: str | None = cfg.token
+        """the token HTTP commands need (``config.token``, or the one made at start)"""
+        self.token_file: str | None = None
+        """where the made token was written"""
         self.traces = TraceManager(self.config.trace_dir, forward=self.relay.put if self.relay else None)
         self.jsonl = JsonlWriter(self.config.jsonl) if self.config.jsonl else None
         self.tensorboard = TensorBoardWriter(self.config.tensorboard) if self.config.tensorboard else None
@@ -147,18 +98,36 @@ class Daemon:
             self._servers.append(srv)
             self.agent_addrs.append(f"unix:{cfg.unix}")
         if cfg.http_port is not None:
-            from .http_api import start_http
-
-            self._http = start_http(self, cfg.http_host, cfg.http_port)
-            self.http_url = f"http://{cfg.http_host}:{self._http.server_address[1]}"
+            self.token = cfg.token or auth.new_token()
+            api = Api(
+                status=self.status,
+                series=self.store.series,
+                metrics=lambda: prometheus_text(self.store),
+                trace=self.request_trace,
+                trace_status=self.trace_status,
+                token=self.token,
+                config=cfg,
+            )
+            self._http = start_http(api, cfg.http_host, cfg.http_port)
+            port = self._http.server_address[1]
+            self.http_url = f"http://{cfg.http_host}:{port}"
+            if not cfg.token:
+                self.token_file = cfg.token_file or auth.default_token_file(port)
+                auth.write_token(self.token_file, self.token)
+                log.info("ms-monitor daemon: HTTP token written to %s", self.token_file)
         self._tasks = [asyncio.ensure_future(self._tick())]
         if self.relay is not None:
             self._tasks.append(asyncio.ensure_future(self.relay.run()))
         log.info("ms-monitor daemon: agents at %s, http at %s", self.agent_addrs, self.http_url)
 
-    async def serve(self) -> None:
+    async def serve(self, on_ready: Callable[[], None] | None = None) -> None:
+        """Start, call `on_ready`, run until ``stop()`` or SIGTERM (in the main thread), shut down."""
         await self.start()
-        assert self._stopped is not None
+        assert self._stopped is not None and self.loop is not None
+        with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # not the main thread
+            self.loop.add_signal_handler(signal.SIGTERM, self._stopped.set)
+        if on_ready is not None:
+            on_ready()
         await self._stopped.wait()
         await self._shutdown()
 
@@ -167,15 +136,9 @@ class Daemon:
 
     def start_in_thread(self, timeout: float = 10.0) -> Daemon:
         ready = threading.Event()
-
-        async def main() -> None:
-            await self.start()
-            ready.set()
-            assert self._stopped is not None
-            await self._stopped.wait()
-            await self._shutdown()
-
-        self._thread = threading.Thread(target=asyncio.run, args=(main(),), name="ms-monitor-daemon", daemon=True)
+        self._thread = threading.Thread(
+            target=asyncio.run, args=(self.serve(ready.set),), name="ms-monitor-daemon", daemon=True
+        )
         self._thread.start()
         if not ready.wait(timeout):
             raise MonitorError("the daemon did not start")
@@ -204,6 +167,8 @@ class Daemon:
                 w.close()
         if self.config.unix and os.path.exists(self.config.unix):
             os.unlink(self.config.unix)
+        if self.token_file and self.token:
+            auth.remove_token(self.token_file, self.token)
 
     async def _tick(self) -> None:
         last_flush = time.monotonic()
@@ -220,13 +185,21 @@ class Daemon:
                 log.exception("ms-monitor daemon: periodic work failed")
 
     # -- agent connections -----------------------------------------------------------------------
-    async def _read(self, reader: asyncio.StreamReader) -> dict:
-        return await read_message(reader)
+    def _refusal(self, hello: dict) -> str | None:
+        """Why a connection is refused after its hello, or None."""
+        if self.config.token and not auth.same_token(hello.get("token", ""), self.config.token):
+            return "bad or missing token"
+        if len(self.conns) >= self.config.max_connections:
+            return f"the daemon has {len(self.conns)} connections open, its limit (--max-connections)"
+        if hello["role"] != "relay" and not self.store.has_room(hello["rank"]):
+            return self._over(hello["rank"])
+        return None
 
-    def _authorized(self, hello: dict, writer: asyncio.StreamWriter) -> bool:
-        if not self.config.token:
-            return True
-        return hmac.compare_digest(hello.get("token", ""), self.config.token)
+    def _over(self, rank: int) -> str:
+        return (
+            f"rank {rank} refused: the daemon tracks {len(self.store.ranks)} connected ranks, its limit "
+            "(raise it with --max-ranks or MS_MONITOR_MAX_RANKS=N)"
+        )
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = None
@@ -235,11 +208,13 @@ class Daemon:
             self._handlers.add(task)
             task.add_done_callback(self._handlers.discard)
         try:
-            hello = await asyncio.wait_for(self._read(reader), 10.0)
+            hello = await asyncio.wait_for(wire.read_message(reader), 10.0)
             if hello["t"] != "hello":
                 raise WireError(f"first message must be hello, got {hello['t']!r}")
-            if not self._authorized(hello, writer):
-                writer.write(wire.encode({"t": "error", "msg": "bad or missing token"}))
+            refusal = self._refusal(hello)
+            if refusal is not None:
+                log.warning("ms-monitor daemon: %s %d refused: %s", hello["role"], hello["rank"], refusal)
+                writer.write(wire.encode({"t": "error", "msg": refusal}))
                 await writer.drain()
                 return
             conn = Conn(writer, hello)
@@ -250,7 +225,7 @@ class Daemon:
             await writer.drain()
             while True:
                 try:
-                    msg = await self._read(reader)
+                    msg = await wire.read_message(reader)
                 except FrameError:
                     raise  # the stream cannot be resynchronized: close
                 except WireError as exc:
@@ -280,10 +255,16 @@ class Daemon:
             if conn.role == "agent":
                 samples = [s for s in samples if s["r"] == conn.rank]  # an agent speaks for its own rank only
             elif conn.role == "relay":
+                refused = set()
                 for s in samples:
-                    if s["r"] not in conn.ranks:
-                        conn.ranks.add(s["r"])
-                        self.store.connected(s["r"], {"host": conn.host, "role": "relay"})
+                    if s["r"] not in conn.ranks and s["r"] not in refused:
+                        if self.store.connected(s["r"], {"host": conn.host, "role": "relay"}):
+                            conn.ranks.add(s["r"])
+                        else:
+                            refused.add(s["r"])
+                if refused:
+                    samples = [s for s in samples if s["r"] not in refused]
+                    self._tell_refused(conn, refused)
             alerts = self.store.add(samples)
             self._export(samples, alerts)
             if self.relay is not None and samples:
@@ -296,6 +277,15 @@ class Daemon:
             self.traces.on_tfile(msg)
         elif kind == "tdone":
             self.traces.on_tdone(msg)
+
+    def _tell_refused(self, conn: Conn, refused: set[int]) -> None:
+        """Tell a relay once that ranks of it are over the limit (their samples are dropped)."""
+        if conn.told_refused:
+            return
+        conn.told_refused = True
+        msg = f"{len(refused)} ranks (first {min(refused)}) dropped: " + self._over(min(refused))
+        log.warning("ms-monitor daemon: relay %s: %s", conn.host or "?", msg)
+        conn.send({"t": "error", "msg": msg})
 
     def _export(self, samples: list[dict], events: list[dict]) -> None:
         for e in events:
@@ -310,12 +300,20 @@ class Daemon:
             for s in samples:
                 self.tensorboard.write(s)
 
-    # -- traces ------------------------------------------------------------------------------------
+    # -- what the HTTP side reads and commands ---------------------------------------------------
+    def status(self) -> dict:
+        """The /api/status document (thread-safe)."""
+        out = self.store.status()
+        out["traces"] = self.on_loop(lambda: [j.summary() for j in self.traces.jobs.values()])
+        out["agent_addrs"] = self.agent_addrs
+        out["forward_dropped"] = self.relay.dropped if self.relay else 0
+        return out
+
     def request_trace(self, req: dict, timeout: float = 10.0) -> dict:
         """Thread-safe entry (HTTP): start a trace job; returns its summary or raises MonitorError."""
         if self.loop is None:
             raise MonitorError("the daemon is not running")
-        fut = asyncio.run_coroutine_threadsafe(self._trace(req), self.loop)
+        fut = asyncio.run_coroutine_threadsafe(self.trace(req), self.loop)
         return fut.result(timeout)
 
     def on_loop(self, fn: Callable[[], Any], timeout: float = 10.0) -> Any:
@@ -329,15 +327,26 @@ class Daemon:
         return asyncio.run_coroutine_threadsafe(call(), self.loop).result(timeout)
 
     def trace_status(self, job_id: str) -> dict | None:
-        job = self.traces.jobs.get(job_id)
-        return None if job is None else job.summary()
+        """A trace job's summary, None if there is no such job (thread-safe)."""
 
-    async def _trace(self, req: dict, job_id: str | None = None, upstream: bool = False) -> dict:
+        def get() -> dict | None:
+            job = self.traces.jobs.get(job_id)
+            return None if job is None else job.summary()
+
+        return self.on_loop(get)
+
+    async def trace(self, req: dict, job_id: str | None = None, upstream: bool = False) -> dict:
+        """Start a trace job from a request (on the loop); a relay's job (`upstream`) sends its files up."""
         ranks = req.get("ranks")
-        if ranks is not None and (not isinstance(ranks, list) or not all(isinstance(r, int) for r in ranks)):
-            raise MonitorError(f"ranks={ranks!r} must be a list of integers")
+        if ranks is not None:
+            if not isinstance(ranks, list) or len(ranks) > 1 << 16:
+                raise MonitorError(f"ranks={str(ranks)[:100]} must be a list of at most 65536 rank numbers")
+            for r in ranks:
+                if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r <= wire.MAX_RANK.value:
+                    raise MonitorError(f"ranks: {r!r} is not a rank number in 0..{wire.MAX_RANK.value}")
         steps = req.get("steps")
-        want = (lambda r: True) if ranks is None else (lambda r: r in ranks)
+        wanted = None if ranks is None else set(ranks)
+        want = (lambda r: True) if wanted is None else (lambda r: r in wanted)
         # one agent per rank (the newest connection, if a rank reconnected before its old socket closed)
         agents = list({c.rank: c for c in self.conns if c.role == "agent" and want(c.rank)}.values())
         relays = {c: sorted(r for r in c.ranks if want(r)) for c in self.conns if c.role == "relay"}
@@ -351,7 +360,7 @@ class Daemon:
             raise MonitorError(f"timeout={timeout!r} must be a number of seconds in (0, 86400]")
         start = req.get("start_step")
         if start is None:
-            start = self._choose_start(served, [c.rank for c in dynos])
+            start = start_step({r["rank"]: r for r in self.store.status()["ranks"]}, served, [c.rank for c in dynos])
         job = self.traces.new_job(start, steps, ranks, float(timeout), job_id=job_id, upstream=upstream)
         analyse = req.get("analyse")  # default: agents analyse (asynchronously), dyno does not (it would block)
         cmd = {
@@ -381,22 +390,6 @@ class Daemon:
             job.dyno_ranks,
         )
         return job.summary()
-
-    def _choose_start(self, agent_ranks: set[int], dyno_ranks: list[int]) -> int:
-        ranks = {r["rank"]: r for r in self.store.status()["ranks"]}
-        starts = []
-        if agent_ranks:
-            rows = [ranks[r] for r in agent_ranks if r in ranks]
-            times = [r.get("step_time_median") for r in rows]
-            starts.append(choose_start([r["last_step"] for r in rows], times, AGENT_LEAD))
-        if dyno_ranks:
-            rows = [ranks[r] for r in dyno_ranks if r in ranks and ranks[r]["last_step"] >= 0]
-            starts.append(
-                choose_start(
-                    [r["last_step"] for r in rows], [r.get("seconds_per_step") for r in rows], DYNO_POLL, min_lead=3
-                )
-            )
-        return max(starts)
 
 
 __all__ = ["Daemon", "DaemonConfig", "TraceJob"]

@@ -13,28 +13,26 @@ import asyncio
 import logging
 import os
 import socket
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable
+from typing import Callable
 
 from . import wire
 from .errors import MonitorError
-
-if TYPE_CHECKING:
-    from .daemon import Daemon
+from .wire import read_message
 
 log = logging.getLogger("ms_monitor.daemon")
 
-
-async def read_message(reader: asyncio.StreamReader) -> dict:
-    header = await reader.readexactly(wire.HEADER.size)
-    return wire.decode(await reader.readexactly(wire.frame_length(header)))
+#: runs a trace job here: (request, job id, upstream) -> the job's summary
+TraceFn = Callable[[dict, str, bool], Awaitable[dict]]
 
 
 class Relay:
-    """The node daemon's connection to its aggregator."""
+    """The node daemon's connection to its aggregator at `addr`; `trace` runs its trace commands here."""
 
-    def __init__(self, daemon: Daemon, maxsize: int = 1024):
-        self.daemon = daemon
-        self.addr = daemon.config.forward
+    def __init__(self, addr: str, trace: TraceFn, token: str | None = None, maxsize: int = 1024):
+        self.addr = addr
+        self.trace = trace
+        self.token = token
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=maxsize)
         self.dropped = 0
         self.connected = False
@@ -57,8 +55,8 @@ class Relay:
             "host": socket.gethostname(),
             "pid": os.getpid(),
         }
-        if self.daemon.config.token:
-            hello["token"] = self.daemon.config.token
+        if self.token:
+            hello["token"] = self.token
         backoff = 0.2
         while True:
             writer = None
@@ -104,6 +102,6 @@ class Relay:
                 "analyse": msg.get("analyse", True),
             }
             try:
-                await self.daemon._trace(req, job_id=msg["id"], upstream=True)
+                await self.trace(req, msg["id"], True)
             except MonitorError as exc:
                 log.warning("ms-monitor daemon: trace %s from the aggregator: %s", msg["id"], exc)

@@ -4,6 +4,10 @@ Thread-safe: the daemon's event loop writes, the HTTP threads read snapshots. Sa
 step from different ranks are collected until every live rank has reported it or moved past it
 (its sample was dropped), then the slow-rank detector sees the whole step at once. Ranks need not
 run in lockstep: a rank that lags holds its steps back until it gets there.
+
+At most ``max_ranks`` ranks are tracked: a new rank beyond that takes the place of the rank that
+disconnected longest ago, and is refused (its samples dropped and counted in ``refused``) while
+every tracked rank is connected, so a client inventing rank numbers cannot grow the daemon.
 """
 
 from __future__ import annotations
@@ -112,30 +116,60 @@ def _rate(points: list[Point], attr: str) -> float | None:
 class Store:
     """Rolling windows, step alignment and alerts; all methods are safe from any thread."""
 
-    def __init__(self, window: int = 600, detector: DetectorConfig | None = None):
+    def __init__(self, window: int = 600, detector: DetectorConfig | None = None, max_ranks: int = 4096):
         self.window = window
+        self.max_ranks = max_ranks
         self.detector = Detector(detector)
         self.ranks: dict[int, RankInfo] = {}
+        self._idle: dict[int, None] = {}  # disconnected ranks, longest disconnected first
+        self.refused = 0
+        self.evicted = 0
         self.alerts: deque[Alert] = deque(maxlen=MAX_ALERTS)
         self.received = 0
         self.invalid = 0
         self._pending: dict[int, dict[int, float]] = {}
         self._lock = threading.Lock()
 
-    def _rank(self, rank: int) -> RankInfo:
-        if rank not in self.ranks:
-            self.ranks[rank] = RankInfo(rank, window=deque(maxlen=self.window))
-        return self.ranks[rank]
+    def _rank(self, rank: int) -> RankInfo | None:
+        """The rank's record, made if there is room (see the module docstring); None if refused."""
+        info = self.ranks.get(rank)
+        if info is not None:
+            return info
+        if len(self.ranks) >= self.max_ranks:
+            if not self._idle:
+                self.refused += 1
+                return None
+            gone = next(iter(self._idle))
+            del self._idle[gone], self.ranks[gone]
+            self.detector.reset(gone)
+            for got in self._pending.values():
+                got.pop(gone, None)
+            self.evicted += 1
+        info = self.ranks[rank] = RankInfo(rank, window=deque(maxlen=self.window))
+        self._idle[rank] = None  # until a connection says it is up
+        return info
 
-    def connected(self, rank: int, hello: dict, up: bool = True) -> None:
+    def has_room(self, rank: int) -> bool:
+        """Whether a sample or a connection of `rank` would be taken now."""
         with self._lock:
-            info = self._rank(rank)
+            return rank in self.ranks or len(self.ranks) < self.max_ranks or bool(self._idle)
+
+    def connected(self, rank: int, hello: dict, up: bool = True) -> bool:
+        """A connection of `rank` opened (or closed, `up` False); False if the rank was refused."""
+        with self._lock:
+            info = self._rank(rank) if up else self.ranks.get(rank)
+            if info is None:
+                return False
             info.connected = up
+            self._idle.pop(rank, None)
+            if not up:
+                self._idle[rank] = None
             if up:
                 info.host = hello.get("host", info.host)
                 info.pid = hello.get("pid", info.pid)
                 info.role = hello.get("role", info.role)
                 info.last_seen = time.time()
+            return True
 
     def count_invalid(self) -> None:
         with self._lock:
@@ -155,6 +189,8 @@ class Store:
             now = time.time()
             for s in samples:
                 info = self._rank(s["r"])
+                if info is None:
+                    continue
                 if role is not None and not info.connected:
                     info.role = role
                 if s["s"] < info.last_step - 1:  # the rank restarted: a new job or a new process
@@ -196,6 +232,8 @@ class Store:
         """A status report of MindSpore's dynamic profiler (through the IPCMonitor proxy)."""
         with self._lock:
             info = self._rank(msg["rank"])
+            if info is None:
+                return
             if info.role != "agent" or not info.window:
                 info.role = "dyno"
             info.profiler_status = msg["status"]
@@ -212,6 +250,9 @@ class Store:
                 "active_alerts": [a.to_dict() for a in self.detector.active()],
                 "received": self.received,
                 "invalid": self.invalid,
+                "refused": self.refused,
+                "evicted": self.evicted,
+                "max_ranks": self.max_ranks,
             }
 
     def series(self, last: int = 200) -> dict[str, Any]:

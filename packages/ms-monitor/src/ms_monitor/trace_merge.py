@@ -43,6 +43,8 @@ def _load_json_events(data: bytes, source: str) -> list[dict]:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
         raise MonitorError(f"{source} is not JSON: {exc}") from None
+    except RecursionError:
+        raise MonitorError(f"{source} nests its JSON too deeply") from None
     events = doc.get("traceEvents") if isinstance(doc, dict) else doc
     if not isinstance(events, list):
         raise MonitorError(f"{source} holds no list of trace events")
@@ -84,12 +86,22 @@ def events_from_cpu_timestamps(text: str, source: str = "cpu_op_execute_timestam
     return out
 
 
+def _ident(value: Any) -> Any:
+    """A pid or tid as a lane key: a number or text as it is, anything else (a list, a map) as text."""
+    plain = value is None or (isinstance(value, (int, str)) and not isinstance(value, bool))
+    return value if plain else str(value)
+
+
 def _normalize(events: list[dict], source: str) -> list[dict]:
     out = []
     for i, e in enumerate(events):
         ph = e.get("ph")
+        if not isinstance(ph, str):
+            continue
+        e = {**e, "pid": _ident(e.get("pid")), "tid": _ident(e.get("tid"))}
         if ph == "M":
-            out.append(e)
+            if isinstance(e.get("args", {}), dict):
+                out.append(e)
             continue
         if ph not in KEEP_PHASES:
             continue

@@ -18,7 +18,6 @@ All methods run on the daemon's event loop.
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import logging
 import math
@@ -29,15 +28,22 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ms_layout.files import atomic_write, clean_stale, read_capped, write_manifest
+from ms_layout.limits import Limit
+
 from .errors import MonitorError
 from .trace_merge import events_from_cpu_timestamps, events_from_trace_view, merge
 
 log = logging.getLogger("ms_monitor.daemon")
 
-MAX_JOB_BYTES = 512 * 1024 * 1024
+MAX_JOB_BYTES = Limit("MS_MONITOR_MAX_TRACE_BYTES", 512 * 1024 * 1024, "bytes of trace data in one job")
 MAX_JOBS = 50
+MAX_STEP = 2**53
+_JOB_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}")  # a folder name: no "..", no hidden names
 #: seconds of a dyno poll cycle assumed when choosing a start step (MindSpore's default poll_interval is 2)
 DYNO_POLL = 3.0
+#: seconds ahead of the ranks' newest step at which an agent trace starts (commands arrive within ~0.1 s)
+AGENT_LEAD = 0.25
 _RANK_DIR = re.compile(r"rank(-?\d+)_start(\d+)_stop(\d+)$")
 
 
@@ -127,13 +133,29 @@ def choose_start(last_steps: list[int], step_times: list[float], lead_seconds: f
     return max(last_steps) + max(min_lead, math.ceil(lead_seconds / per) + 1)
 
 
-def write_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def start_step(ranks: dict[int, dict], agent_ranks: set[int], dyno_ranks: list[int]) -> int:
+    """The first step of a trace of these agent and dyno ranks, from their rank summaries (``ranks``)."""
+    starts = []
+    if agent_ranks:
+        rows = [ranks[r] for r in agent_ranks if r in ranks]
+        times = [r.get("step_time_median") for r in rows]
+        starts.append(choose_start([r["last_step"] for r in rows], times, AGENT_LEAD))
+    if dyno_ranks:
+        rows = [ranks[r] for r in dyno_ranks if r in ranks and ranks[r]["last_step"] >= 0]
+        per_step = [r.get("seconds_per_step") for r in rows]
+        starts.append(choose_start([r["last_step"] for r in rows], per_step, DYNO_POLL, min_lead=3))
+    return max(starts)
+
+
+MERGED = "merged_trace.json"
+
+
+def write_merged(out_dir: str, doc: dict, extra: dict) -> None:
+    """The merged trace and then its manifest (sizes, sha256), each written atomically: a folder
+    whose manifest verifies (``ms_layout.files.verify_manifest``) holds a whole trace."""
+    clean_stale(out_dir)
+    atomic_write(os.path.join(out_dir, MERGED), json.dumps(doc).encode())
+    write_manifest(out_dir, [MERGED], {"file": MERGED, **extra})
 
 
 class TraceManager:
@@ -143,6 +165,10 @@ class TraceManager:
         self.root = root
         self.forward = forward
         self.jobs: dict[str, TraceJob] = {}
+        os.makedirs(root, exist_ok=True)
+        for name in os.listdir(root):  # half-written traces of a daemon that was killed
+            if os.path.isdir(os.path.join(root, name)):
+                clean_stale(os.path.join(root, name))
 
     def new_job(
         self,
@@ -153,12 +179,12 @@ class TraceManager:
         job_id: str | None = None,
         upstream: bool = False,
     ) -> TraceJob:
-        if not isinstance(steps, int) or not 1 <= steps <= 100000:
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 100000:
             raise MonitorError(f"steps={steps!r} must be an integer in 1..100000")
-        if not isinstance(start, int) or start < 0:
-            raise MonitorError(f"start_step={start!r} must be a non-negative integer")
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= MAX_STEP:
+            raise MonitorError(f"start_step={start!r} must be an integer in 0..{MAX_STEP}")
         job_id = job_id or time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
-        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", job_id) or job_id in self.jobs:
+        if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id) or job_id in self.jobs:
             raise MonitorError(f"trace id {job_id!r} is malformed or already used")
         out_dir = os.path.join(self.root, job_id)
         os.makedirs(out_dir, exist_ok=True)
@@ -173,8 +199,10 @@ class TraceManager:
         if job is None or job.state != "running":
             return
         job.bytes += len(msg["data"])
-        if job.bytes > MAX_JOB_BYTES:
-            job.errors[str(msg["rank"])] = f"trace data above {MAX_JOB_BYTES} bytes; dropped"
+        if job.bytes > MAX_JOB_BYTES.value:
+            job.errors[str(msg["rank"])] = (
+                f"trace data above {MAX_JOB_BYTES.value} bytes (raise it with {MAX_JOB_BYTES.env}=N); dropped"
+            )
             return
         files = job.files.setdefault(msg["rank"], {})
         buf = files.setdefault(msg["name"], bytearray())
@@ -246,8 +274,8 @@ class TraceManager:
         for path in seen:
             m = _RANK_DIR.match(os.path.relpath(path, log_dir).split(os.sep)[0])
             if m:
-                with open(path, "rb") as f:
-                    gathered.setdefault(int(m.group(1)), {})[os.path.basename(path)] = f.read()
+                data = read_capped(path, MAX_JOB_BYTES.value, "dyno trace file")
+                gathered.setdefault(int(m.group(1)), {})[os.path.basename(path)] = data
         for rank, files in gathered.items():
             job.files.setdefault(rank, {}).update({n: bytearray(d) for n, d in files.items()})
             job.done.setdefault(rank, {"rank": rank, "sources": []})["sources"].extend(sorted(files))
@@ -316,16 +344,6 @@ class TraceManager:
         doc = merge(
             per_rank, {"ms_monitor_trace_id": job.id, "start_step": job.start, "steps": job.steps, "errors": job.errors}
         )
-        data = json.dumps(doc).encode()
-        path = os.path.join(job.out_dir, "merged_trace.json")
-        write_atomic(path, data)
-        manifest = {
-            "file": "merged_trace.json",
-            "bytes": len(data),
-            "sha256": hashlib.sha256(data).hexdigest(),
-            "ranks": sorted(per_rank),
-            "trace": job.summary(),
-        }
-        write_atomic(os.path.join(job.out_dir, "manifest.json"), json.dumps(manifest, indent=1).encode())
-        job.path, job.state = path, "done"
-        log.info("ms-monitor: trace %s merged for ranks %s -> %s", job.id, sorted(per_rank), path)
+        write_merged(job.out_dir, doc, {"ranks": sorted(per_rank), "trace": job.summary()})
+        job.path, job.state = os.path.join(job.out_dir, MERGED), "done"
+        log.info("ms-monitor: trace %s merged for ranks %s -> %s", job.id, sorted(per_rank), job.path)

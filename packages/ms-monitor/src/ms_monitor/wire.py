@@ -11,11 +11,14 @@ Samples are compact maps with short keys (about 60 bytes each), shipped in batch
 
 from __future__ import annotations
 
+import asyncio
 import math
 import struct
 from typing import Any, Callable
 
 import msgpack
+
+from ms_layout.limits import Limit
 
 from .errors import FrameError, WireError
 
@@ -29,6 +32,10 @@ MAX_BATCH = 4096
 MAX_NAME = 128
 MAX_PHASES = 64
 MAX_STEP = 2**53
+#: the highest rank number a message may carry (-1: a relay or a daemon)
+MAX_RANK = Limit("MS_MONITOR_MAX_RANK", (1 << 20) - 1, "as a rank number")
+#: seconds the rest of a frame may take once its header has arrived
+FRAME_TIMEOUT = 30.0
 ROLES = ("agent", "dyno", "relay")
 
 Check = Callable[[Any, str], Any]
@@ -100,7 +107,15 @@ def _list(item_check: Check, max_items: int) -> Check:
     return check
 
 
-RANK = _int(-1, 1 << 24)
+def _rank(value: Any, key: str) -> int:
+    """A rank: -1 (a relay or a daemon) up to MAX_RANK (read on every use, so the variable can raise it)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise WireError(f"{key}={value!r} is not a rank (an integer from -1)")
+    return MAX_RANK.check(value, key, WireError)
+
+
+RANK = _rank
+
 STEP = _int(-1, MAX_STEP)
 COUNT = _int(0, MAX_STEP)
 SECONDS = _float(0.0, 1e7)
@@ -251,6 +266,14 @@ def decode(body: bytes) -> dict:
     except Exception as exc:  # msgpack raises several unrelated types for garbage
         raise WireError(f"frame of {len(body)} bytes is not a msgpack message ({type(exc).__name__}: {exc})") from None
     return validate(msg)
+
+
+async def read_message(reader: asyncio.StreamReader, timeout: float | None = None) -> dict:
+    """The next message of a stream: waits as long as it takes for a header, then at most `timeout`
+    (default FRAME_TIMEOUT) seconds for the body: a client that announces a frame and stalls is cut off."""
+    header = await reader.readexactly(HEADER.size)
+    body = reader.readexactly(frame_length(header))
+    return decode(await asyncio.wait_for(body, FRAME_TIMEOUT if timeout is None else timeout))
 
 
 class FrameReader:

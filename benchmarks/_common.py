@@ -61,9 +61,8 @@ def print_table(rows: list[dict], title: str) -> None:
 
 def write_result(path: Path, result: dict, indent: int = 2) -> None:
     """Write the result JSON whole or not at all (a temporary name, then a rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=indent) + "\n")
-    tmp.replace(path)
+    from ms_layout.files import atomic_write
+
+    atomic_write(path, json.dumps(result, indent=indent) + "\n")
     suffix = f" ({result['wall_s']} s)" if "wall_s" in result else ""
     print(f"wrote {path}{suffix}")

@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from _common import machine_info, print_table
+from _common import machine_info, print_table, write_result
 from _pipeline_probes import PeakRSS, held_units, ping_pong
 
 RANKS = 2
@@ -342,12 +341,7 @@ def main(argv=None) -> int:
         "simulated_rows": simulated,
     }
     print(json.dumps(summary, indent=2))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, out)
-    print(f"wrote {out}", file=sys.stderr)
+    write_result(Path(args.out), report)
     return 0
 
 

@@ -17,13 +17,12 @@ minimum over repeats, taken in rotation so load hits every column alike.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
-from _common import machine_info
+from _common import machine_info, write_result
 
 DISTRIBUTIONS = {  # name: (median response tokens, sigma, cap)
     "reasoning": (1500, 0.9, 8192),
@@ -396,11 +395,7 @@ def main(argv=None):
         for row in rows:
             print(row)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=2)
-        os.replace(tmp, args.out)
+        write_result(Path(args.out), result)
     return 0
 
 

@@ -24,16 +24,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import numpy as np
-from _common import machine_info
+from _common import machine_info, write_result
 from _vllm_offline import offline, rows_of
 
 
@@ -282,10 +282,7 @@ def write(args, rows, offline_results, headline) -> None:
         result["compile_rows"] = [dict(bucket=k, compile_s=v) for k, v in off["compile_s"].items()]
         result["hf_rows"] = off["hf"]
         result["offline"] = off
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".tmp", "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(args.out + ".tmp", args.out)
+    write_result(Path(args.out), result)
     try:
         from rich.console import Console
         from rich.table import Table

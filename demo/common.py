@@ -138,9 +138,8 @@ def setup_mindspore(threads: int = 1) -> None:
 
 
 def write_json(path: str | os.PathLike, data: Any) -> Path:
-    """Write JSON to a temporary name, then rename it into place."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, path)
-    return path
+    """Write JSON whole or not at all (ms_layout.files: a temporary name, fsync, rename)."""
+    from ms_layout.files import atomic_write
+
+    atomic_write(path, json.dumps(data, indent=1, default=str))
+    return Path(path)

@@ -8,11 +8,12 @@ import base64
 import html
 import io
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from common import StageResult
+
+from ms_layout.files import atomic_write
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
@@ -201,7 +202,5 @@ def write_report(results: list[StageResult], work: Path, bench_dir: Path, total_
     head = f"<meta charset=utf-8><title>ms toolkit demo</title><style>{STYLE}</style>"
     page = f"<!doctype html><html><head>{head}</head><body>{''.join(body)}</body></html>"
     path = work / "report.html"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(page)
-    os.replace(tmp, path)
+    atomic_write(path, page)
     return path

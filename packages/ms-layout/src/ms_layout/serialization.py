@@ -68,4 +68,5 @@ def loads(blob: bytes, expect: str | None = None) -> Any:
         raise
     except (TypeError, KeyError, ValueError, AttributeError, OverflowError, RecursionError) as exc:
         # Registered kinds of other packages may still let one of these through.
-        raise LayoutError(f"ms-layout blob of kind {kind} has bad data: {type(exc).__name__}: {exc}") from None
+        detail = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"  # KeyError says only 'x'
+        raise LayoutError(f"ms-layout blob of kind {kind} has bad data: {detail}") from None

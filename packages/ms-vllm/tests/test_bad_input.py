@@ -87,8 +87,11 @@ def test_cli_bad_input_is_one_line_exit_2(dirs, argv, message):
 def test_cli_calibration_file_over_the_limit(dirs):
     big = dirs / "big.txt"
     big.write_text("hello world\n" * 200)
-    run = run_script("ms_vllm.cli", [*Q, str(dirs / "tiny"), str(dirs / "out"), "--calib", str(big)],
-                     env={"MS_VLLM_MAX_CALIB_BYTES": "1000"})
+    run = run_script(
+        "ms_vllm.cli",
+        [*Q, str(dirs / "tiny"), str(dirs / "out"), "--calib", str(big)],
+        env={"MS_VLLM_MAX_CALIB_BYTES": "1000"},
+    )
     _one_line_exit_2(run, f"calibration file '{big}' is over the limit of 1000 bytes")
 
 

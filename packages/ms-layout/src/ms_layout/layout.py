@@ -83,9 +83,10 @@ class Layout:
             if isinstance(self.rank_list, (str, bytes)) or not isinstance(self.rank_list, Sequence):
                 raise LayoutError(f"rank_list {self.rank_list!r:.100} is not a sequence of ranks")
             ranks = tuple(self.rank_list)
-            bad = [r for r in ranks if not _is_int(r)]
+            bad = [r for r in ranks if isinstance(r, bool) or not hasattr(r, "__index__")]  # numpy ints are fine
             if bad:
                 raise LayoutError(f"rank_list holds {bad[0]!r:.50}; ranks must be ints")
+            ranks = tuple(operator.index(r) for r in ranks)
             if len(ranks) != self.rank_count or len(set(ranks)) != len(ranks) or min(ranks) < 0:
                 raise LayoutError(
                     f"rank_list {list(ranks)!r:.200} must hold {self.rank_count} distinct non-negative ranks "

@@ -11,6 +11,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from .console import run_console
 from .errors import LayoutError
 from .layout import NONE, Layout
 from .parallel_config import ParallelConfig
@@ -121,36 +122,37 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--map", required=True, help="per tensor dim: an axis, axes joined by +, or None")
     lay.add_argument("--shape", required=True, help="global shape: 8,8")
     lay.add_argument("--json", action="store_true", help="print JSON for machines")
+    for p in (cfg, lay):  # `ms-layout config --dp 3 --debug` as well as `ms-layout --debug config ...`
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error")
     return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "config":
+        config = ParallelConfig(
+            dp=args.dp,
+            tp=args.tp,
+            cp=args.cp,
+            pp=args.pp,
+            ep=args.ep,
+            vpp=args.vpp,
+            optimizer_shard=args.optimizer_shard,
+            order=args.order,
+        )
+        report = config_report(config)
+        print(json.dumps(report, indent=1)) if args.json else _print_config(report)
+    else:
+        layout = _parse_layout(args.mesh, args.map)
+        report = layout_report(layout, _ints(args.shape))
+        print(json.dumps(report, indent=1)) if args.json else _print_layout(layout, report)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv.insert(0, "config")  # `ms-layout --tp 2` means `ms-layout config --tp 2`
-    args = build_parser().parse_args(argv)
-    try:
-        if args.command == "config":
-            config = ParallelConfig(
-                dp=args.dp,
-                tp=args.tp,
-                cp=args.cp,
-                pp=args.pp,
-                ep=args.ep,
-                vpp=args.vpp,
-                optimizer_shard=args.optimizer_shard,
-                order=args.order,
-            )
-            report = config_report(config)
-            print(json.dumps(report, indent=1)) if args.json else _print_config(report)
-        else:
-            layout = _parse_layout(args.mesh, args.map)
-            report = layout_report(layout, _ints(args.shape))
-            print(json.dumps(report, indent=1)) if args.json else _print_layout(layout, report)
-    except LayoutError as exc:
-        print(f"ms-layout: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return run_console("ms-layout", build_parser(), _run, argv, (LayoutError,))
 
 
 if __name__ == "__main__":

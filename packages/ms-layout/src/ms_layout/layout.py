@@ -9,12 +9,20 @@ puts the column chunks 0..3 of the first row block on ranks 0, 4, 2, 6.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Union
 
 from .errors import LayoutError
+from .limits import Limit
+
+MAX_RANKS = Limit("MS_LAYOUT_MAX_WORLD_SIZE", 1 << 16, "ranks")
+"""Ranks of one mesh or config: rank tables, groups and shard lists are built per rank, so a size read
+from a blob or a flag (dp = 10**9) is refused before anything is built."""
+MAX_DIMS = Limit("MS_LAYOUT_MAX_DIMS", 64, "dims")
+"""Mesh axes of a device matrix and dims of a tensor map or a global shape (numpy allows 64)."""
 
 NONE = "None"
 """The tensor-map entry for a dim that is not split (MindSpore spells it as the string "None")."""
@@ -22,13 +30,21 @@ NONE = "None"
 DimSpec = Union[str, Sequence[str]]
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _check_sizes(device_matrix: Sequence[int]) -> tuple[int, ...]:
+    if isinstance(device_matrix, (str, bytes)) or not isinstance(device_matrix, Sequence):
+        raise LayoutError(f"device_matrix {device_matrix!r:.100} is not a sequence of sizes")
+    MAX_DIMS.check(len(device_matrix), "device_matrix axes", LayoutError)
     sizes = tuple(device_matrix)
     if not sizes:
         raise LayoutError("device_matrix is empty; expected at least one mesh axis")
     for size in sizes:
-        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-            raise LayoutError(f"device_matrix {sizes} has size {size!r}; sizes must be positive ints")
+        if not _is_int(size) or size <= 0:
+            raise LayoutError(f"device_matrix {sizes!r:.200} has size {size!r:.50}; sizes must be positive ints")
+    MAX_RANKS.check(math.prod(sizes), f"device_matrix {sizes} product", LayoutError)
     return sizes
 
 
@@ -47,6 +63,8 @@ class Layout:
 
     def __post_init__(self) -> None:
         sizes = _check_sizes(self.device_matrix)
+        if isinstance(self.alias_names, (str, bytes)) or not isinstance(self.alias_names, Sequence):
+            raise LayoutError(f"alias_names {self.alias_names!r:.100} is not a sequence of names")
         names = tuple(self.alias_names)
         object.__setattr__(self, "device_matrix", sizes)
         object.__setattr__(self, "alias_names", names)
@@ -62,10 +80,16 @@ class Layout:
         if len(set(names)) != len(names):
             raise LayoutError(f"alias_names {names} repeats a name; each mesh axis needs its own")
         if self.rank_list is not None:
-            ranks = tuple(int(r) for r in self.rank_list)
+            if isinstance(self.rank_list, (str, bytes)) or not isinstance(self.rank_list, Sequence):
+                raise LayoutError(f"rank_list {self.rank_list!r:.100} is not a sequence of ranks")
+            ranks = tuple(self.rank_list)
+            bad = [r for r in ranks if isinstance(r, bool) or not hasattr(r, "__index__")]  # numpy ints are fine
+            if bad:
+                raise LayoutError(f"rank_list holds {bad[0]!r:.50}; ranks must be ints")
+            ranks = tuple(operator.index(r) for r in ranks)
             if len(ranks) != self.rank_count or len(set(ranks)) != len(ranks) or min(ranks) < 0:
                 raise LayoutError(
-                    f"rank_list {list(ranks)} must hold {self.rank_count} distinct non-negative ranks "
+                    f"rank_list {list(ranks)!r:.200} must hold {self.rank_count} distinct non-negative ranks "
                     f"for device_matrix {sizes}"
                 )
             object.__setattr__(self, "rank_list", ranks)
@@ -73,13 +97,18 @@ class Layout:
             object.__setattr__(self, "dims", self._check_dims(self.dims))
 
     def _check_dims(self, dims: Sequence[Sequence[str]]) -> tuple[tuple[str, ...], ...]:
+        if isinstance(dims, (str, bytes)) or not isinstance(dims, Sequence):
+            raise LayoutError(f"dims {dims!r:.100} is not a sequence of tensor dims")
+        MAX_DIMS.check(len(dims), "tensor map dims", LayoutError)
         seen: set[str] = set()
         out = []
         for dim in dims:
+            if isinstance(dim, (str, bytes)) or not isinstance(dim, Sequence):
+                raise LayoutError(f"tensor dim {dim!r:.100} is not a sequence of mesh axes")
             axes = tuple(dim)
             for axis in axes:
-                if axis not in self.alias_names:
-                    raise LayoutError(f"unknown alias {axis!r}; the mesh axes are {self.alias_names}")
+                if not isinstance(axis, str) or axis not in self.alias_names:
+                    raise LayoutError(f"unknown alias {axis!r:.50}; the mesh axes are {self.alias_names}")
                 if axis in seen:
                     raise LayoutError(f"alias {axis!r} is used on two tensor dims; each axis splits one dim")
                 seen.add(axis)
@@ -143,16 +172,17 @@ class Layout:
         sizes = _check_sizes(device_matrix)
         names = tuple(alias_names) if alias_names is not None else tuple(f"d{i}" for i in range(len(sizes)))
         dims = []
+        MAX_DIMS.check(len(tensor_map), "tensor map dims", LayoutError)
         for entry in tensor_map:
             items = (entry,) if isinstance(entry, int) else tuple(entry)
             axes = []
             for idx in items:
-                if idx == -1:
-                    continue
-                if not isinstance(idx, int) or not 0 <= idx < len(sizes):
+                if not _is_int(idx) or not -1 <= idx < len(sizes):
                     raise LayoutError(
                         f"tensor_map entry {idx!r} in {tuple(tensor_map)} is out of range for device_matrix {sizes}"
                     )
+                if idx == -1:
+                    continue
                 axes.append(names[len(sizes) - 1 - idx])
             dims.append(tuple(axes))
         return cls(sizes, names, tuple(dims), tuple(rank_list) if rank_list is not None else None)
@@ -212,10 +242,15 @@ class Layout:
 
     def axis_groups(self, aliases: str | Sequence[str]) -> list[tuple[int, ...]]:
         """Every group of ranks along the given axes, ordered by their first member's position."""
-        groups: dict[tuple[int, ...], None] = {}
+        # The groups partition the ranks: build each once, from its first rank (not once per rank,
+        # which is quadratic in the group size: dp=65536 would take hours).
+        groups, placed = [], set()
         for rank in self.ranks:
-            groups.setdefault(self.axis_group(aliases, rank), None)
-        return list(groups)
+            if rank not in placed:
+                group = self.axis_group(aliases, rank)
+                placed.update(group)
+                groups.append(group)
+        return groups
 
     # ---------------------------------------------------------------- shards
     @property
@@ -246,7 +281,14 @@ class Layout:
         return tuple(out)
 
     def _check_shape(self, global_shape: Sequence[int]) -> tuple[int, ...]:
-        shape = tuple(int(s) for s in global_shape)
+        shape = tuple(global_shape)
+        MAX_DIMS.check(len(shape), "global shape dims", LayoutError)
+        try:  # operator.index takes ints and numpy ints, not floats or strings
+            if any(isinstance(s, bool) for s in shape):
+                raise TypeError
+            shape = tuple(operator.index(s) for s in shape)
+        except TypeError:
+            raise LayoutError(f"global shape {shape!r:.200} must hold ints") from None
         if len(shape) != self.ndim:
             raise LayoutError(f"global shape {shape} has {len(shape)} dims; the layout maps {self.ndim}")
         for dim, (size, parts) in enumerate(zip(shape, self.splits)):
@@ -308,13 +350,23 @@ class Layout:
     @classmethod
     def from_dict(cls, data: dict) -> Layout:
         """Inverse of to_dict; a missing or mistyped field is a LayoutError."""
-        try:
-            dims = data["dims"]
-            return cls(
-                tuple(data["device_matrix"]),
-                tuple(data["alias_names"]),
-                None if dims is None else tuple(tuple(d) for d in dims),
-                None if data.get("rank_list") is None else tuple(data["rank_list"]),
-            )
-        except (KeyError, TypeError) as exc:
-            raise LayoutError(f"not a layout dict ({exc!r}): {data!r:.200}") from None
+        if not isinstance(data, dict):
+            raise LayoutError(f"not a layout dict: {data!r:.200}")
+        missing = {"device_matrix", "alias_names", "dims"} - set(data)
+        if missing:
+            raise LayoutError(f"not a layout dict (missing {sorted(missing)}): {data!r:.200}")
+        for key in ("device_matrix", "alias_names", "dims", "rank_list"):
+            value = data.get(key)
+            if not isinstance(value, (list, tuple)) and not (value is None and key in ("dims", "rank_list")):
+                raise LayoutError(f"layout field {key} is {value!r:.100}; expected a list")
+        dims = data["dims"]
+        if dims is not None:
+            for dim in dims:
+                if not isinstance(dim, (list, tuple)):
+                    raise LayoutError(f"layout dims entry {dim!r:.100} is not a list of mesh axes")
+        return cls(
+            tuple(data["device_matrix"]),
+            tuple(data["alias_names"]),
+            None if dims is None else tuple(tuple(d) for d in dims),
+            None if data.get("rank_list") is None else tuple(data["rank_list"]),
+        )

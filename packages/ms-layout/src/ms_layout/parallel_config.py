@@ -13,7 +13,10 @@ from dataclasses import asdict, dataclass
 from functools import cache, cached_property
 
 from .errors import LayoutError
-from .layout import Layout
+from .layout import MAX_RANKS, Layout
+from .limits import Limit
+
+MAX_VPP = Limit("MS_LAYOUT_MAX_VPP", 1024, "virtual pipeline chunks per rank")
 
 DENSE_AXES = ("tp", "cp", "dp", "pp")
 EXPERT_AXES = ("tp", "ep", "edp", "pp")
@@ -45,12 +48,15 @@ class ParallelConfig:
         for name in ("dp", "tp", "cp", "pp", "ep", "vpp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise LayoutError(f"{name}={value!r}; parallel sizes must be positive ints")
+                raise LayoutError(f"{name}={value!r:.50}; parallel sizes must be positive ints")
+        # Checked before any mesh is built: the rank tables and groups are per rank.
+        MAX_RANKS.check(self.dp * self.tp * self.cp * self.pp, "world size dp*tp*cp*pp", LayoutError)
+        MAX_VPP.check(self.vpp, "vpp", LayoutError)
         if not isinstance(self.optimizer_shard, bool):
-            raise LayoutError(f"optimizer_shard={self.optimizer_shard!r}; expected True or False")
+            raise LayoutError(f"optimizer_shard={self.optimizer_shard!r:.50}; expected True or False")
         tokens = tuple(self.order.split("-")) if isinstance(self.order, str) else ()
         if sorted(tokens) != sorted(ORDER_TOKENS):
-            raise LayoutError(f"order {self.order!r} must name each of {'-'.join(ORDER_TOKENS)} exactly once")
+            raise LayoutError(f"order {self.order!r:.100} must name each of {'-'.join(ORDER_TOKENS)} exactly once")
         if (self.dp * self.cp) % self.ep:
             raise LayoutError(f"ep={self.ep} must divide dp*cp={self.dp * self.cp}; experts split over dp/cp ranks")
         self._check_meshes_agree()

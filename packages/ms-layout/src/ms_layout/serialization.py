@@ -13,7 +13,11 @@ import msgpack
 
 from .errors import LayoutError
 from .layout import Layout
+from .limits import Limit
 from .parallel_config import ParallelConfig
+
+MAX_BLOB_BYTES = Limit("MS_LAYOUT_MAX_BLOB_BYTES", 64 << 20, "bytes")
+"""Size of one msgpack blob; msgpack bounds every array, map and string by the blob's length."""
 
 FORMAT = "ms-layout"
 VERSION = 1
@@ -42,24 +46,27 @@ def loads(blob: bytes, expect: str | None = None) -> Any:
     """Read bytes written by dumps; `expect` names the kind the caller wants."""
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise LayoutError(f"expected bytes, got {type(blob).__name__}")
+    MAX_BLOB_BYTES.check(len(blob), "ms-layout blob size", LayoutError)
     try:
         envelope = msgpack.unpackb(bytes(blob), raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types for garbage
         raise LayoutError(f"not an ms-layout blob: msgpack could not read {len(blob)} bytes ({exc})") from None
     if not isinstance(envelope, dict) or envelope.get("format") != FORMAT:
         found = envelope.get("format") if isinstance(envelope, dict) else type(envelope).__name__
-        raise LayoutError(f"not an ms-layout blob: format is {found!r}, expected {FORMAT!r}")
+        raise LayoutError(f"not an ms-layout blob: format is {found!r:.100}, expected {FORMAT!r}")
     version = envelope.get("version")
-    if not isinstance(version, int) or not 1 <= version <= VERSION:
-        raise LayoutError(f"ms-layout blob has version {version!r}; this reader knows versions 1..{VERSION}")
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= VERSION:  # True is an int
+        raise LayoutError(f"ms-layout blob has version {version!r:.100}; this reader knows versions 1..{VERSION}")
     kind = envelope.get("kind")
-    if kind not in _KINDS:
-        raise LayoutError(f"ms-layout blob holds unknown kind {kind!r}; known kinds: {sorted(_KINDS)}")
+    if not isinstance(kind, str) or kind not in _KINDS:  # a list or map is not hashable
+        raise LayoutError(f"ms-layout blob holds unknown kind {kind!r:.100}; known kinds: {sorted(_KINDS)}")
     if expect is not None and kind != expect:
         raise LayoutError(f"ms-layout blob holds a {kind}, expected a {expect}")
     try:
         return _KINDS[kind][2](envelope.get("data"))
     except LayoutError:
         raise
-    except (TypeError, KeyError, ValueError, AttributeError) as exc:
-        raise LayoutError(f"ms-layout blob of kind {kind} has bad data: {exc}") from None
+    except (TypeError, KeyError, ValueError, AttributeError, OverflowError, RecursionError) as exc:
+        # Registered kinds of other packages may still let one of these through.
+        detail = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"  # KeyError says only 'x'
+        raise LayoutError(f"ms-layout blob of kind {kind} has bad data: {detail}") from None

@@ -9,11 +9,18 @@
 * ``assert_close(actual, expected, rtol, what)``: float32 results of the same math computed in
   another order, compared relative to the tensor's own scale; ``UNIT_ROUNDOFF`` (u = 2^-24) to
   derive ``rtol`` from.
+* ``run_script(module, argv)``: run ``python -m module argv...`` in a subprocess and return its exit
+  code, stdout, stderr, peak RSS and wall time (the bad-input tests of every console script).
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -92,3 +99,65 @@ def run_ranks() -> RunRanks:
         return run_local(fn, nprocs, backend=backend, args=args, kwargs=kwargs, timeout=timeout, env=env)
 
     return run
+
+
+@dataclass(frozen=True)
+class ScriptRun:
+    """What one console-script run answered."""
+
+    rc: int
+    """Exit code (negative: killed by that signal)."""
+    stdout: str
+    stderr: str
+    max_rss_mb: float
+    """Peak resident memory of the child itself (from wait4, not of the test process)."""
+    seconds: float
+
+
+# Runs the script and reports its own rusage. Linux carries a forked child's peak RSS (the copy of the
+# parent's pages) over its exec, so a script forked straight from pytest would report pytest's peak;
+# forked from this small launcher it reports its own (plus the launcher's few MB).
+_LAUNCHER = """
+import os, subprocess, sys, time
+report, timeout, cmd = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
+proc = subprocess.Popen(cmd)
+start = time.monotonic()
+while True:
+    pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+    if pid:
+        break
+    if time.monotonic() - start > timeout:
+        proc.kill()
+        pid, status, usage = os.wait4(proc.pid, 0)
+        break
+    time.sleep(0.005)
+seconds = time.monotonic() - start
+proc.returncode = os.waitstatus_to_exitcode(status)
+with open(report, "w") as f:
+    f.write(f"{proc.returncode} {usage.ru_maxrss} {seconds}")
+"""
+
+
+def run_script(
+    module: str,
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    timeout: float = 60.0,
+    cwd: str | None = None,
+) -> ScriptRun:
+    """Run ``python -m module *argv`` with this interpreter (the environment inherited, PYTHONPATH
+    included, plus `env`) and return what it answered, with the peak RSS (``wait4``, Linux) and the
+    wall time of that process alone. A run over `timeout` seconds is killed (rc -9)."""
+    full_env = {**os.environ, **(env or {})}
+    full_env.pop("MS_TOOLKIT_DEBUG", None)
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "rusage")
+        with open(os.path.join(tmp, "out"), "wb+") as out, open(os.path.join(tmp, "err"), "wb+") as err:
+            cmd = [sys.executable, "-c", _LAUNCHER, report, str(timeout), sys.executable, "-m", module, *argv]
+            subprocess.run(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=full_env, cwd=cwd, check=True)
+            out.seek(0)
+            err.seek(0)
+            stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
+        with open(report) as f:
+            rc, rss_kb, seconds = f.read().split()
+    return ScriptRun(int(rc), stdout, stderr, int(rss_kb) / 1024, float(seconds))

@@ -16,17 +16,44 @@ compared on the same model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from ms_layout.console import run_console
+from ms_layout.limits import Limit
 
 from .errors import ScheduleError
 from .ir import Schedule
 from .lower import lower
 from .schedules import BUILDERS, build
-from .serialize import from_csv, load, to_csv
+from .serialize import load, to_csv
 from .simulate import CostModel, simulate
 from .validate import validate
+
+MAX_LOCAL_RANKS = Limit("MS_PIPELINE_MAX_LOCAL_RANKS", 16, "local processes")
+"""Ranks `ms-pipeline run` starts on this machine (each one a MindSpore process)."""
+
+
+def _check_output(path: str, what: str) -> None:
+    """Refuse an output path that cannot be a file before any work is done."""
+    target = Path(path)
+    if target.is_dir():
+        raise ScheduleError(f"{what} {path!r} is a folder; give a file name")
+    if not target.parent.is_dir():
+        raise ScheduleError(f"cannot write {what} {path!r}: folder {str(target.parent)!r} does not exist")
+
+
+@contextlib.contextmanager
+def _writing(path: str, what: str) -> Iterator[None]:
+    """Name the file the user asked for (not the temporary name beside it) when a write fails."""
+    _check_output(path, what)
+    try:
+        yield
+    except OSError as exc:
+        raise ScheduleError(f"cannot write {what} {path!r}: {exc.strerror or exc}") from None
 
 
 def _schedule_args(p: argparse.ArgumentParser) -> None:
@@ -93,13 +120,18 @@ def _simulate(args: argparse.Namespace) -> int:
 def _draw(args: argparse.Namespace) -> int:
     from .draw import draw_png, write_chrome_trace
 
+    _check_output(args.output, "PNG")
+    if args.trace:
+        _check_output(args.trace, "trace")
     schedule, costs = _built_with_costs(args)
     validate(schedule)
     result = simulate(schedule, costs)
-    draw_png(result, args.output, stage_to_rank=schedule.stage_to_rank)
+    with _writing(args.output, "PNG"):
+        draw_png(result, args.output, stage_to_rank=schedule.stage_to_rank)
     print(f"wrote {args.output}")
     if args.trace:
-        write_chrome_trace(args.trace, result.timeline, name=schedule.name)
+        with _writing(args.trace, "trace"):
+            write_chrome_trace(args.trace, result.timeline, name=schedule.name)
         print(f"wrote {args.trace}")
     return 0
 
@@ -113,17 +145,18 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _validate_file(args: argparse.Namespace) -> int:
-    if args.torch:
-        with open(args.file) as f:
-            schedule = from_csv(f.read(), dialect="torch")
-    else:
-        schedule = load(args.file)
+    if args.torch and not args.file.lower().endswith(".csv"):
+        raise ScheduleError(f"--torch reads PyTorch's CSV; {args.file!r} is not a .csv file")
+    schedule = load(args.file, dialect="torch") if args.torch else load(args.file)
     validate(schedule)
     print(f"ok: {schedule.header()}")
     return 0
 
 
 def _run(args: argparse.Namespace) -> int:
+    if not args.timeout > 0 or args.timeout == float("inf"):
+        raise ScheduleError(f"--timeout {args.timeout} must be a positive number of seconds")
+    MAX_LOCAL_RANKS.check(args.stages, "--stages", ScheduleError)
     from .runtime.demo import run_demo
 
     report = run_demo(_build(args), seed=args.seed, timeout=args.timeout)
@@ -164,16 +197,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=_run)
+    for p in sub.choices.values():  # `ms-pipeline simulate ... --debug` as well as `ms-pipeline --debug simulate`
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    try:
-        return args.fn(args)
-    except ScheduleError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_console("ms-pipeline", _parser(), lambda args: args.fn(args), argv, (ScheduleError,))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -16,6 +16,7 @@ each rank.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -90,22 +91,32 @@ def play(
     ends_out = [[0.0] * len(a) for a in acts]
     pos = [0] * len(acts)
     clock = [0.0] * len(acts)
-    progress = True
-    while progress:
-        progress = False
-        for r, rank_acts in enumerate(acts):
-            while pos[r] < len(rank_acts):
-                ready = _ready_time(rank_acts[pos[r]], schedule, ends, latency)
-                if ready is None:
-                    break
-                action = rank_acts[pos[r]]
-                start = max(clock[r], ready)
-                clock[r] = start + duration(action)
-                starts_out[r][pos[r]], ends_out[r][pos[r]] = start, clock[r]
-                for part in action.computes():
-                    ends[part.stage, part.kind, part.microbatch] = clock[r]
-                pos[r] += 1
-                progress = True
+    # A worklist of ranks whose head may have become ready: a computation of stage s can only
+    # unblock computations of stages s-1, s and s+1 (see needs), so only their ranks are looked
+    # at again. Sweeping every rank until nothing moves took p sweeps of p ranks (the backward
+    # travels one rank per sweep): minutes for 2048 ranks. Start times do not depend on the
+    # order ranks are looked at: each is fixed by the rank's clock and its dependencies' ends.
+    placement, last = schedule.stage_to_rank, schedule.num_stages - 1
+    queue, queued = deque(range(len(acts))), [True] * len(acts)
+    while queue:
+        r = queue.popleft()
+        queued[r] = False
+        rank_acts = acts[r]
+        while pos[r] < len(rank_acts):
+            ready = _ready_time(rank_acts[pos[r]], schedule, ends, latency)
+            if ready is None:
+                break
+            action = rank_acts[pos[r]]
+            start = max(clock[r], ready)
+            clock[r] = start + duration(action)
+            starts_out[r][pos[r]], ends_out[r][pos[r]] = start, clock[r]
+            for part in action.computes():
+                ends[part.stage, part.kind, part.microbatch] = clock[r]
+                for stage in (part.stage - 1, part.stage + 1):
+                    if 0 <= stage <= last and not queued[placement[stage]] and placement[stage] != r:
+                        queued[placement[stage]] = True
+                        queue.append(placement[stage])
+            pos[r] += 1
     stuck = tuple(
         _stuck(r, pos[r], acts[r][pos[r]], schedule, ends, where) for r in range(len(acts)) if pos[r] < len(acts[r])
     )
@@ -123,8 +134,9 @@ def _ready_time(action: Action, schedule: Schedule, ends: dict, latency: Callabl
                 if any((stage, k, mb) in own for k in kinds):
                     continue  # the other half of the same pair cannot feed it
                 return None
-            dep = Action(stage, keys[0][1], mb)
-            extra = latency(dep, part) if schedule.stage_to_rank[stage] != schedule.stage_to_rank[part.stage] else 0.0
+            extra = 0.0
+            if schedule.stage_to_rank[stage] != schedule.stage_to_rank[part.stage]:
+                extra = latency(Action(stage, keys[0][1], mb), part)
             ready = max(ready, ends[keys[0]] + extra)
     return ready
 

@@ -13,9 +13,11 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from ms_layout.files import FileError, atomic_path, atomic_write, read_json
+
 from .errors import ScheduleError
 from .ir import Action, Kind, Schedule
-from .serialize import _write_atomic
+from .serialize import MAX_FILE_BYTES
 from .simulate import CostModel, Event, SimResult, simulate
 
 COLORS = {Kind.F: "#3b75af", Kind.B: "#519e3e", Kind.W: "#ef8636", Kind.BW: "#8d69b8"}
@@ -93,13 +95,11 @@ def draw_png(
     )
     fig.tight_layout()
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.png")
     try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=110, format="png")  # the temporary name has no suffix to tell the format
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -157,16 +157,27 @@ def chrome_trace(events: Sequence[Event], *, us_per_unit: float = 1000.0, name: 
 def write_chrome_trace(path: str | os.PathLike, events: Sequence[Event], **options) -> Path:
     """Write :func:`chrome_trace` to ``path`` (atomically)."""
     path = Path(path)
-    _write_atomic(path, json.dumps(chrome_trace(events, **options)).encode())
+    atomic_write(path, json.dumps(chrome_trace(events, **options)))
     return path
 
 
 def read_chrome_trace(path: str | os.PathLike, *, us_per_unit: float = 1000.0) -> list[Event]:
-    """Events back from a trace written by :func:`write_chrome_trace` (start times from 0)."""
-    data = json.loads(Path(path).read_text())
+    """Events back from a trace written by :func:`write_chrome_trace` (start times from 0); a
+    missing or malformed trace raises ScheduleError naming it."""
+    try:
+        data = read_json(path, "Chrome trace", MAX_FILE_BYTES.value)
+    except FileError as exc:
+        raise ScheduleError(str(exc)) from None
+    events = data.get("traceEvents", []) if isinstance(data, dict) else None
+    if not isinstance(events, list):
+        raise ScheduleError(f"Chrome trace {os.fspath(path)!r} has no traceEvents list")
     out = []
-    for ev in data.get("traceEvents", []):
-        if ev.get("ph") == "X":
-            start = ev["ts"] / us_per_unit
-            out.append(Event(int(ev["tid"]), Action.parse(ev["name"]), start, start + ev["dur"] / us_per_unit))
+    for ev in events:
+        if not isinstance(ev, dict) or ev.get("ph") != "X":
+            continue
+        ts, dur, tid, name = ev.get("ts"), ev.get("dur"), ev.get("tid"), ev.get("name")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (ts, dur, tid)):
+            raise ScheduleError(f"Chrome trace {os.fspath(path)!r}: event {ev!r:.100} needs numeric ts, dur and tid")
+        start = ts / us_per_unit
+        out.append(Event(int(tid), Action.parse(name), start, start + dur / us_per_unit))
     return out

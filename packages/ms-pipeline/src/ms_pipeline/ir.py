@@ -10,12 +10,43 @@ forward run together with one backward (the "1B1F" steady phase of DualPipeV and
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 
+from ms_layout.limits import Limit
+
 from .errors import ScheduleError
+
+MAX_SCHEDULE_SIZE = Limit("MS_PIPELINE_MAX_SCHEDULE_SIZE", 1 << 14, "stage x microbatch pairs")
+"""Stages x microbatches of one schedule (a stage is a chunk: ZeroBubbleV has 2 per rank). Building,
+validating and simulating take about 30 us per action, and a pair has 2 or 3 actions (up to 7
+lowered), so the default (e.g. 128 ranks x 128 microbatches of ZeroBubbleV) stays within a few
+seconds; ``simulate --stages 1000 --microbatches 1000`` ran for minutes."""
+ACTIONS_PER_PAIR = 8
+"""Actions a schedule may hold per stage x microbatch pair: F, B, W and four transfers when lowered."""
+
+
+def check_schedule_size(num_stages: int, num_microbatches: int, what: str = "schedule") -> None:
+    """Refuse a schedule of more stage x microbatch pairs than MS_PIPELINE_MAX_SCHEDULE_SIZE,
+    before anything is built."""
+    MAX_SCHEDULE_SIZE.check(
+        num_stages * num_microbatches,
+        f"{what} size {num_stages} stages x {num_microbatches} microbatches",
+        ScheduleError,
+    )
+
+
+def check_action_count(count: int, what: str = "schedule") -> None:
+    """Refuse more actions than ACTIONS_PER_PAIR per allowed pair (counted before parsing them)."""
+    bound = ACTIONS_PER_PAIR * MAX_SCHEDULE_SIZE.value
+    if count > bound:
+        raise ScheduleError(
+            f"{what} holds {count} actions, over the limit of {bound} ({ACTIONS_PER_PAIR} per stage x microbatch"
+            f" pair; raise it with {MAX_SCHEDULE_SIZE.env}=N)"
+        )
 
 
 class Kind(str, Enum):
@@ -41,7 +72,8 @@ _KIND_RE = "|".join(sorted((k.value for k in Kind if k is not Kind.OVERLAP_F_B),
 _ATOM = rf"(\d+)({_KIND_RE})(\d+)"
 _ATOM_RE = re.compile(rf"^{_ATOM}$")
 _PAIR_RE = re.compile(rf"^\(({_ATOM});({_ATOM})\)(?:OVERLAP_F_B)?$")
-_NAME_RE = re.compile(r"^[\w.+-]+$")
+_NAME_RE = re.compile(r"^[\w.+-]{1,200}$")
+_MAX_ACTION_CHARS = 80
 
 
 @dataclass(frozen=True)
@@ -91,7 +123,11 @@ class Action:
     @classmethod
     def parse(cls, text: str) -> Action:
         """Read the text form: ``0F3``, ``7BW0``, ``3SEND_F1`` or ``(0F7;7B3)OVERLAP_F_B``."""
+        if not isinstance(text, str):
+            raise ScheduleError(f"an action is a string such as '0F3', got {text!r:.50}")
         text = text.strip()
+        if len(text) > _MAX_ACTION_CHARS:  # also keeps int() far from Python's 4300-digit limit
+            raise ScheduleError(f"action {text[:40]!r}... is {len(text)} characters long; actions are short like 0F3")
         m = _ATOM_RE.match(text)
         if m:
             return cls(int(m.group(1)), Kind(m.group(2)), int(m.group(3)))
@@ -151,28 +187,44 @@ class Schedule:
     """``actions[rank]``: what that rank runs, in order."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stage_to_rank", tuple(int(r) for r in self.stage_to_rank))
-        object.__setattr__(self, "actions", tuple(tuple(rank) for rank in self.actions))
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
-            raise ScheduleError(f"schedule name must be one word of letters, digits, '.+-_', got {self.name!r}")
+            raise ScheduleError(f"schedule name must be one word of letters, digits, '.+-_', got {self.name!r:.100}")
         for what, value in (("num_stages", self.num_stages), ("num_microbatches", self.num_microbatches)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ScheduleError(f"{what} must be an int >= 1, got {value!r}")
+                raise ScheduleError(f"{what} must be an int >= 1, got {value!r:.50}")
+        check_schedule_size(self.num_stages, self.num_microbatches)
+        for what, value in (("stage_to_rank", self.stage_to_rank), ("actions", self.actions)):
+            if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+                raise ScheduleError(f"{what} must be a sequence, got {value!r:.100}")
+        placement = tuple(self.stage_to_rank)
+        bad = [r for r in placement if isinstance(r, bool) or not hasattr(r, "__index__")]
+        if bad:
+            raise ScheduleError(f"stage_to_rank holds {bad[0]!r:.50}; ranks must be ints")
+        object.__setattr__(self, "stage_to_rank", tuple(operator.index(r) for r in placement))
         if len(self.stage_to_rank) != self.num_stages:
             raise ScheduleError(
                 f"stage_to_rank has {len(self.stage_to_rank)} entries for {self.num_stages} stages:"
-                f" {self.stage_to_rank}"
+                f" {self.stage_to_rank!r:.200}"
             )
+        ranks = tuple(self.actions)
+        MAX_SCHEDULE_SIZE.check(len(ranks), "schedule ranks", ScheduleError)
+        for rank, acts in enumerate(ranks):
+            if isinstance(acts, (str, bytes)) or not isinstance(acts, Iterable):
+                raise ScheduleError(f"actions of rank {rank} must be a sequence, got {acts!r:.100}")
+        object.__setattr__(self, "actions", tuple(tuple(acts) for acts in ranks))
+        check_action_count(sum(len(acts) for acts in self.actions))
         bad = [r for r in self.stage_to_rank if not 0 <= r < self.num_ranks]
         if bad:
-            raise ScheduleError(f"stage_to_rank {self.stage_to_rank} names ranks {bad} outside 0..{self.num_ranks - 1}")
+            raise ScheduleError(
+                f"stage_to_rank {self.stage_to_rank!r:.200} names ranks {bad} outside 0..{self.num_ranks - 1}"
+            )
         for rank, acts in enumerate(self.actions):
             for step, action in enumerate(acts):
                 self._check_action(rank, step, action)
 
     def _check_action(self, rank: int, step: int, action: Action) -> None:
         if not isinstance(action, Action):
-            raise ScheduleError(f"rank {rank} step {step}: expected an Action, got {action!r}")
+            raise ScheduleError(f"rank {rank} step {step}: expected an Action, got {action!r:.100}")
         for part in action.parts or (action,):
             if part.stage >= self.num_stages or part.microbatch >= self.num_microbatches:
                 raise ScheduleError(
@@ -193,7 +245,10 @@ class Schedule:
     @property
     def stages_per_rank(self) -> int:
         """Largest number of stages any rank holds (2 for ZeroBubbleV, v for interleaved)."""
-        return max(len(self.stages_of(r)) for r in range(self.num_ranks))
+        counts = [0] * self.num_ranks  # one pass: stages_of for every rank was quadratic in the ranks
+        for r in self.stage_to_rank:
+            counts[r] += 1
+        return max(counts, default=0)
 
     @property
     def is_lowered(self) -> bool:
@@ -237,19 +292,26 @@ class Schedule:
         """Inverse of :meth:`to_text`."""
         lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
         m = re.match(
-            r"^schedule ([\w.+-]+): stages=(\d+) microbatches=(\d+) placement=([\d,]+)$", lines[0] if lines else ""
+            r"^schedule ([\w.+-]{1,200}): stages=(\d{1,18}) microbatches=(\d{1,18}) placement=([\d,]+)$",
+            lines[0] if lines else "",
         )
         if not m:
             raise ScheduleError(
-                f"first line must be 'schedule NAME: stages=S microbatches=M placement=r,r,...', got {lines[:1]}"
+                f"first line must be 'schedule NAME: stages=S microbatches=M placement=r,r,...', got {lines[:1]!r:.200}"
             )
+        check_schedule_size(int(m.group(2)), int(m.group(3)))
+        MAX_SCHEDULE_SIZE.check(len(lines) - 1, "schedule ranks", ScheduleError)
+        check_action_count(sum(len(line.partition(":")[2].split()) for line in lines[1:]))
         ranks: list[tuple[Action, ...]] = []
         for i, line in enumerate(lines[1:]):
-            rm = re.match(r"^rank\s+(\d+):(.*)$", line)
+            rm = re.match(r"^rank\s+(\d{1,18}):(.*)$", line)
             if not rm or int(rm.group(1)) != i:
                 raise ScheduleError(f"line {i + 2} must start with 'rank {i}:', got {line[:40]!r}")
             ranks.append(parse_actions(rm.group(2)))
-        placement = tuple(int(x) for x in m.group(4).split(","))
+        try:
+            placement = tuple(int(x) for x in m.group(4).split(","))
+        except ValueError:
+            raise ScheduleError(f"placement {m.group(4)[:100]!r} must be ranks joined by commas") from None
         return cls(m.group(1), int(m.group(2)), int(m.group(3)), placement, tuple(ranks))
 
     # ------------------------------------------------------------ plain data
@@ -269,12 +331,22 @@ class Schedule:
         """Inverse of :meth:`to_dict`."""
         if not isinstance(data, dict):
             raise ScheduleError(f"a schedule dict is expected, got {type(data).__name__}")
-        if data.get("schema") != 1:
-            raise ScheduleError(f"schedule data has schema {data.get('schema')!r}; this reader knows schema 1")
-        try:
-            actions = tuple(tuple(Action.parse(a) for a in acts) for acts in data["actions"])
-            return cls(
-                data["name"], data["num_stages"], data["num_microbatches"], tuple(data["stage_to_rank"]), actions
-            )
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise ScheduleError(f"schedule data is missing or mistyped: {exc}") from None
+        schema = data.get("schema")
+        if schema != 1 or isinstance(schema, bool):
+            raise ScheduleError(f"schedule data has schema {schema!r:.50}; this reader knows schema 1")
+        missing = [k for k in ("name", "num_stages", "num_microbatches", "stage_to_rank", "actions") if k not in data]
+        if missing:
+            raise ScheduleError(f"schedule data is missing {missing}")
+        rows = data["actions"]
+        if not isinstance(rows, list) or not all(isinstance(acts, list) for acts in rows):
+            raise ScheduleError(f"schedule actions must be a list of lists of action strings, got {rows!r:.100}")
+        MAX_SCHEDULE_SIZE.check(len(rows), "schedule ranks", ScheduleError)
+        check_action_count(sum(len(acts) for acts in rows))
+        for acts in rows:
+            for a in acts:
+                if not isinstance(a, str):
+                    raise ScheduleError(f"schedule action {a!r:.50} is not a string such as '0F3'")
+        if not isinstance(data["stage_to_rank"], list):
+            raise ScheduleError(f"stage_to_rank must be a list of ranks, got {data['stage_to_rank']!r:.100}")
+        actions = tuple(tuple(Action.parse(a) for a in acts) for acts in rows)
+        return cls(data["name"], data["num_stages"], data["num_microbatches"], tuple(data["stage_to_rank"]), actions)

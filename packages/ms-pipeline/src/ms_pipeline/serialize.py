@@ -1,8 +1,9 @@
 """Schedules on disk: msgpack (in ms-layout's versioned envelope), CSV (one row per rank, as
 PyTorch's pipelining and torchtitan store custom schedules) and the text form.
 
-Files are written to a temporary name and renamed into place, so a crash never leaves half a file
-where a good one was.
+Files are written with ``ms_layout.files.atomic_write`` (a temporary name renamed into place), so
+a crash never leaves half a file where a good one was. Files read are capped in size
+(MS_PIPELINE_MAX_FILE_BYTES) and the actions they hold are counted before they are parsed.
 """
 
 from __future__ import annotations
@@ -11,17 +12,21 @@ import csv
 import io
 import os
 import re
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from ms_layout import LayoutError
 from ms_layout import dumps as _layout_dumps
 from ms_layout import loads as _layout_loads
+from ms_layout.files import FileError, atomic_write, read_capped
+from ms_layout.limits import Limit
 from ms_layout.serialization import register
 
 from .errors import ScheduleError
-from .ir import Action, Schedule
+from .ir import MAX_SCHEDULE_SIZE, Action, Schedule, check_action_count
+
+MAX_FILE_BYTES = Limit("MS_PIPELINE_MAX_FILE_BYTES", 32 << 20, "bytes")
+"""Size of one schedule file read (the largest schedule allowed is a few MB as text)."""
 
 register("Schedule", Schedule, Schedule.to_dict, Schedule.from_dict)
 
@@ -74,9 +79,16 @@ def from_csv(
     The placement and sizes are inferred from the actions unless given."""
     if dialect not in ("ms", "torch"):
         raise ScheduleError(f"dialect must be 'ms' or 'torch', got {dialect!r}")
+    rows = []
+    try:
+        for row in csv.reader(io.StringIO(text)):
+            rows.append([c.strip() for c in row if c.strip()])
+    except csv.Error as exc:  # a NUL byte, a field over the csv module's size limit
+        raise ScheduleError(f"the CSV cannot be read: {exc}") from None
+    MAX_SCHEDULE_SIZE.check(len(rows), "CSV rows (ranks)", ScheduleError)
+    check_action_count(sum(len(cells) for cells in rows), "the CSV")
     ranks: list[tuple[Action, ...]] = []
-    for row in csv.reader(io.StringIO(text)):
-        cells = [c.strip() for c in row if c.strip()]
+    for cells in rows:
         if dialect == "torch":
             cells = [_torch_token(c) for c in cells]
         ranks.append(tuple(Action.parse(c) for c in cells))
@@ -111,20 +123,6 @@ def _infer_shape(ranks: Sequence[Sequence[Action]]) -> tuple[tuple[int, ...], in
     return tuple(where[s] for s in range(stages)), micro
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save(schedule: Schedule, path: str | os.PathLike) -> Path:
     """Write by suffix: ``.msgpack`` (or ``.mpk``), ``.csv`` or ``.txt`` (the text form)."""
     path = Path(path)
@@ -137,18 +135,32 @@ def save(schedule: Schedule, path: str | os.PathLike) -> Path:
         data = schedule.to_text().encode()
     else:
         raise ScheduleError(f"cannot tell the format of {str(path)!r}; use .msgpack, .csv or .txt")
-    _write_atomic(path, data)
+    atomic_write(path, data)
     return path
 
 
+def _decode(path: Path, data: bytes) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ScheduleError(f"not UTF-8 text (byte {exc.start})") from None
+
+
 def load(path: str | os.PathLike, **csv_options) -> Schedule:
-    """Read a file written by :func:`save` (CSV options as in :func:`from_csv`)."""
+    """Read a file written by :func:`save` (CSV options as in :func:`from_csv`); a missing,
+    unreadable, oversized or malformed file raises ScheduleError naming it."""
     path = Path(path)
     suffix = path.suffix.lower()
-    if suffix in (".msgpack", ".mpk"):
-        return loads(path.read_bytes())
-    if suffix == ".csv":
-        return from_csv(path.read_text(), **csv_options)
-    if suffix == ".txt":
-        return Schedule.from_text(path.read_text())
-    raise ScheduleError(f"cannot tell the format of {str(path)!r}; use .msgpack, .csv or .txt")
+    if suffix not in (".msgpack", ".mpk", ".csv", ".txt"):
+        raise ScheduleError(f"cannot tell the format of {str(path)!r}; use .msgpack, .csv or .txt")
+    try:
+        data = read_capped(path, MAX_FILE_BYTES.value, "schedule file")
+    except FileError as exc:
+        raise ScheduleError(str(exc)) from None
+    try:
+        if suffix in (".msgpack", ".mpk"):
+            return loads(data)
+        text = _decode(path, data)
+        return from_csv(text, **csv_options) if suffix == ".csv" else Schedule.from_text(text)
+    except ScheduleError as exc:
+        raise ScheduleError(f"schedule file {str(path)!r}: {exc}") from None

@@ -19,6 +19,8 @@ Two bubble rates are reported, because the literature uses both:
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Union
@@ -61,6 +63,13 @@ class CostModel:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            if value is None and f.name == "bw":
+                continue
+            items = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+            for v in items:
+                # NaN or inf would simulate to a meaningless makespan rather than fail
+                if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+                    raise ScheduleError(f"cost {f.name}={v!r:.50} must be a finite number")
             if isinstance(value, (list, tuple)):
                 object.__setattr__(self, f.name, tuple(float(v) for v in value))
         for name in ("f", "b", "w", "comm") + (("bw",) if self.bw is not None else ()):
@@ -157,11 +166,13 @@ class CostModel:
             key, _, raw = item.partition("=")
             key = key.strip()
             if key not in names:
-                raise ScheduleError(f"unknown cost {key!r} in {text!r}; known: {', '.join(names)}")
+                raise ScheduleError(f"unknown cost {key[:40]!r} in {text[:100]!r}; known: {', '.join(names)}")
             try:
                 given[key] = float(raw)
             except ValueError:
-                raise ScheduleError(f"cost {key}={raw.strip()!r} is not a number") from None
+                raise ScheduleError(f"cost {key}={raw.strip()[:40]!r} is not a number") from None
+            if not math.isfinite(given[key]):
+                raise ScheduleError(f"cost {key}={raw.strip()[:40]!r} must be a finite number")
         if "mem_f" in given and "mem_b" not in given and "mem_w" not in given:
             scale = given["mem_f"] / float(base.mem_f) if base.mem_f else 0.0
             values["mem_b"], values["mem_w"] = float(base.mem_b) * scale, float(base.mem_w) * scale
@@ -203,9 +214,12 @@ class Bubbles:
             raise ScheduleError("an empty timeline has no bubbles to measure")
         t0 = min(e.start for e in events)
         makespan = max(e.end for e in events) - t0
+        by_rank: dict[int, list[Event]] = {}
+        for e in events:  # grouped once, in timeline order (filtering per rank was quadratic)
+            by_rank.setdefault(e.rank, []).append(e)
         busy, worst = [], 0.0
         for r in range(num_ranks):
-            mine = [e for e in events if e.rank == r]
+            mine = by_rank.get(r, [])
             work = sum(e.end - e.start for e in mine)
             busy.append(work)
             if mine:

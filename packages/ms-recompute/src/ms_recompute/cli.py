@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
+from ms_layout.console import run_console
+from ms_layout.files import FileError, read_json
+
 from .errors import RecomputeError
+from .limits import MAX_PLAN_BYTES
 from .memory import Shape, arch_of, megatron_bytes, model_memory
 from .plan import Granularity, RecomputePlan
 from .planner import METHODS, plan_recompute, predict
@@ -27,35 +33,49 @@ _UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
 
 def parse_bytes(text: str) -> int:
     """``20GiB``, ``512MiB``, ``1.5GB`` or a plain number of bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    m = re.fullmatch(r"\s*([0-9]{0,30}\.?[0-9]{1,30})\s*([A-Za-z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
-        raise RecomputeError(f"budget {text!r}: expected a size like 20GiB, 512MiB or 1000000")
+        raise RecomputeError(f"budget {str(text)[:40]!r}: expected a size like 20GiB, 512MiB or 1000000")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def _read_config(path: str, arch: str | None) -> dict:
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
+    if not os.path.exists(path):
+        raise RecomputeError(f"no config file at {path!r}")
     try:
-        with open(path) as f:
-            config = json.load(f)
-    except FileNotFoundError:
-        raise RecomputeError(f"no config file at {path!r}") from None
-    except json.JSONDecodeError as exc:
-        raise RecomputeError(f"{path!r} is not valid JSON: {exc}") from None
+        config = read_json(path, "config file", MAX_PLAN_BYTES.value)
+    except FileError as exc:
+        raise RecomputeError(str(exc)) from None
     if not isinstance(config, dict):
         raise RecomputeError(f"{path!r} holds a {type(config).__name__}, not a config object")
     if arch is not None:
         found = config.get("model_type")
         if found not in (None, arch):
-            raise RecomputeError(f"--arch {arch} but {path!r} says model_type {found!r}")
+            raise RecomputeError(f"--arch {arch} but {path!r} says model_type {found!r:.50}")
         config = {**config, "model_type": arch}
     arch_of(config)
     return config
 
 
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Flags that would otherwise divide by zero or turn every time into NaN."""
+    if not (math.isfinite(args.tflops) and args.tflops > 0):
+        raise RecomputeError(f"--tflops {args.tflops}: expected a positive number")
+    if not (math.isfinite(args.comm_ms) and args.comm_ms >= 0):
+        raise RecomputeError(f"--comm-ms {args.comm_ms}: expected a number >= 0")
+    if args.out:
+        out = Path(args.out)
+        if out.is_dir():
+            raise RecomputeError(f"--out {args.out!r} is a folder; give a file name")
+        if not out.parent.is_dir():
+            raise RecomputeError(f"--out {args.out!r}: folder {str(out.parent)!r} does not exist")
+
+
 def report(args: argparse.Namespace) -> dict[str, Any]:
     """The numbers the report prints, as a JSON-ready dict."""
+    _check_numbers(args)
     config = _read_config(args.config, args.arch)
     shape = Shape(args.batch, args.seq, args.dtype, args.tp)
     layers = model_memory(config, shape, moe_impl=args.moe_impl)
@@ -137,7 +157,7 @@ def _print(r: dict[str, Any]) -> None:
         print(f"    group {g}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ms-recompute", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     rp = sub.add_parser("report", help="activation memory with and without a recompute plan")
@@ -155,20 +175,27 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--method", default="auto", choices=METHODS)
     rp.add_argument("--out", help="save the plan here (msgpack)")
     rp.add_argument("--json", action="store_true", help="print JSON for machines")
-    args = parser.parse_args(argv)
-    try:
-        result = report(args)
-    except RecomputeError as exc:
-        print(f"ms-recompute: error: {exc}", file=sys.stderr)
-        return 2
+    rp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error")
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    result = report(args)
     plan = result.pop("_plan")
     if args.out:
-        plan.save(args.out)
+        try:
+            plan.save(args.out)
+        except OSError as exc:  # name the file asked for, not the temporary one beside it
+            raise RecomputeError(f"cannot write --out {args.out!r}: {exc.strerror or exc}") from None
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         _print(result)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_console("ms-recompute", build_parser(), _run, argv, (RecomputeError,))
 
 
 if __name__ == "__main__":

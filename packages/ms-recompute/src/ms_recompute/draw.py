@@ -13,6 +13,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ms_layout.files import atomic_path
+
 from .errors import RecomputeError
 
 _COLOURS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860")
@@ -81,8 +83,9 @@ def draw_timeline(panels: Mapping[str, Sequence[Any]], path: str | os.PathLike, 
         fig.suptitle(title, fontsize=10, x=0.01, ha="left")
     fig.tight_layout(rect=(0, 0.04, 1, 0.96))
     path = os.fspath(path)
-    tmp = f"{path}.tmp{os.getpid()}.png"
-    fig.savefig(tmp, dpi=130)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=130, format="png")  # the temporary name has no suffix to tell the format
+    finally:
+        plt.close(fig)
     return path

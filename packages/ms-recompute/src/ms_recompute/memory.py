@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import RecomputeError
+from .limits import MAX_LAYERS
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -130,8 +131,17 @@ def _get(config: Any, name: str, default: Any = None) -> Any:
 
 def _positive(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise RecomputeError(f"{name}={value!r}; expected a positive int")
+        raise RecomputeError(f"{name}={value!r:.50}; expected a positive int")
     return value
+
+
+def _optional(config: Any, name: str) -> int | None:
+    """An optional int field (HF configs leave it out or write null or 0 for "not used"): None when
+    absent, null or 0; otherwise it must be a positive int (a string would fail deep in a formula)."""
+    value = _get(config, name)
+    if value is None or (value == 0 and not isinstance(value, bool)):
+        return None
+    return _positive(value, name)
 
 
 @dataclass(frozen=True)
@@ -167,7 +177,7 @@ def arch_of(config: Any) -> str:
     """``llama``, ``qwen2`` or ``deepseek_v3`` from the config's model_type."""
     model_type = _get(config, "model_type")
     if model_type not in ("llama", "qwen2", "deepseek_v3"):
-        raise RecomputeError(f"model_type {model_type!r} is not supported; expected llama, qwen2 or deepseek_v3")
+        raise RecomputeError(f"model_type {model_type!r:.50} is not supported; expected llama, qwen2 or deepseek_v3")
     return model_type
 
 
@@ -216,9 +226,9 @@ def _swiglu(name: str, h: int, width: int, sh: Shape, rows: int | None = None) -
 def _dense_attention(config: Any, sh: Shape) -> ModuleMemory:
     h = config_int(config, "hidden_size")
     heads = _split(config_int(config, "num_attention_heads"), sh.tp, "num_attention_heads")
-    kv = _get(config, "num_key_value_heads") or config_int(config, "num_attention_heads")
+    kv = _optional(config, "num_key_value_heads") or config_int(config, "num_attention_heads")
     kv = _split(kv, sh.tp, "num_key_value_heads")
-    d = _get(config, "head_dim") or h // config_int(config, "num_attention_heads")
+    d = _optional(config, "head_dim") or h // config_int(config, "num_attention_heads")
     t, b, s = sh.tokens, sh.batch, sh.seq
     terms = (_rope(sh, d), *_attention_core(sh, heads, d, d, kv))
     flops = 2.0 * t * h * (heads + 2 * kv) * d + 2.0 * t * heads * d * h + 4.0 * b * heads * s * s * d
@@ -231,7 +241,7 @@ def _mla(config: Any, sh: Shape) -> ModuleMemory:
     h = config_int(config, "hidden_size")
     heads = _split(config_int(config, "num_attention_heads"), sh.tp, "num_attention_heads")
     nope, rope, dv = (config_int(config, k) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
-    kv_rank, q_rank = config_int(config, "kv_lora_rank"), _get(config, "q_lora_rank")
+    kv_rank, q_rank = config_int(config, "kv_lora_rank"), _optional(config, "q_lora_rank")
     dqk = nope + rope
     terms = []
     flops = 0.0
@@ -261,7 +271,7 @@ def _moe(config: Any, sh: Shape, impl: str) -> ModuleMemory:
     experts, k = config_int(config, "n_routed_experts"), config_int(config, "num_experts_per_tok")
     groups, topk_group = config_int(config, "n_group"), config_int(config, "topk_group")
     width = _split(config_int(config, "moe_intermediate_size"), sh.tp, "moe_intermediate_size")
-    shared = (_get(config, "n_shared_experts") or 0) * width
+    shared = (_optional(config, "n_shared_experts") or 0) * width
     rows = experts * t if impl == "dense" else k * t
     terms = [
         Term(
@@ -295,7 +305,7 @@ def shared_bytes(config: Any, shape: Shape) -> int:
         rope = config_int(config, "qk_rope_head_dim")
     else:
         heads = config_int(config, "num_attention_heads")
-        rope = _get(config, "head_dim") or config_int(config, "hidden_size") // heads
+        rope = _optional(config, "head_dim") or config_int(config, "hidden_size") // heads
     return 2 * shape.tokens * (rope // 2) * 4 + shape.seq * shape.seq
 
 
@@ -311,7 +321,7 @@ def layer_memory(config: Any, index: int, shape: Shape, *, moe_impl: str = "dens
     h, t = config_int(config, "hidden_size"), shape.tokens
     norm1, _ = _norm("input_layernorm", h, shape, t)
     norm2, _ = _norm("post_attention_layernorm", h, shape, t)
-    moe = arch == "deepseek_v3" and index >= (_get(config, "first_k_dense_replace") or 0)
+    moe = arch == "deepseek_v3" and index >= (_optional(config, "first_k_dense_replace") or 0)
     attention = _mla(config, shape) if arch == "deepseek_v3" else _dense_attention(config, shape)
     if moe:
         mlp = _moe(config, shape, moe_impl)
@@ -324,7 +334,8 @@ def layer_memory(config: Any, index: int, shape: Shape, *, moe_impl: str = "dens
 
 def model_memory(config: Any, shape: Shape, *, moe_impl: str = "dense") -> list[LayerMemory]:
     """``layer_memory`` of every decoder layer."""
-    return [layer_memory(config, i, shape, moe_impl=moe_impl) for i in range(config_int(config, "num_hidden_layers"))]
+    layers = MAX_LAYERS.check(config_int(config, "num_hidden_layers"), "num_hidden_layers", RecomputeError)
+    return [layer_memory(config, i, shape, moe_impl=moe_impl) for i in range(layers)]
 
 
 def megatron_bytes(config: Any, shape: Shape) -> int:

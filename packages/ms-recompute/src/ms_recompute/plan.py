@@ -11,6 +11,8 @@ input; ``selective`` recomputes named sub-modules (HF names inside the layer, e.
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import re
 from collections.abc import Sequence
@@ -19,8 +21,10 @@ from enum import Enum
 from typing import Any
 
 from ms_layout import LayoutError, serialization
+from ms_layout.files import FileError, atomic_write, read_capped
 
 from .errors import RecomputeError
+from .limits import MAX_COMMS, MAX_LAYERS, MAX_PLAN_BYTES
 from .pairing import RecomputeGroup, pair_layers
 
 SCHEMA = 1
@@ -103,6 +107,20 @@ class Prediction:
     method: str = "manual"
     """How the plan was found: ``exact``, ``greedy`` or ``manual``."""
 
+    def __post_init__(self) -> None:
+        # A prediction is read back from plan files: wrong types would fail later, in format().
+        for name in ("baseline_bytes", "kept_bytes", "working_bytes", "budget_bytes"):
+            value = getattr(self, name)
+            if value is None and name == "budget_bytes":
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise RecomputeError(f"prediction {name}={value!r:.50}; expected an int >= 0")
+        r = self.recompute_s
+        if isinstance(r, bool) or not isinstance(r, numbers.Real) or not math.isfinite(r) or r < 0:
+            raise RecomputeError(f"prediction recompute_s={r!r:.50}; expected a finite number >= 0")
+        if not isinstance(self.method, str):
+            raise RecomputeError(f"prediction method={self.method!r:.50}; expected a name")
+
     @property
     def peak_bytes(self) -> int:
         """Kept activations plus the largest recompute working set."""
@@ -136,7 +154,10 @@ class RecomputePlan:
             if lp.layer != i:
                 raise RecomputeError(f"layers[{i}] is for layer {lp.layer}; entries must be in layer order from 0")
         if isinstance(self.comms, bool) or not isinstance(self.comms, int) or self.comms < 0:
-            raise RecomputeError(f"comms={self.comms!r}; expected an int >= 0")
+            raise RecomputeError(f"comms={self.comms!r:.50}; expected an int >= 0")
+        MAX_COMMS.check(self.comms, "comms", RecomputeError)
+        if not isinstance(self.overlap, bool):
+            raise RecomputeError(f"overlap={self.overlap!r:.50}; expected True or False")
 
     # ------------------------------------------------------------------ builders
     @classmethod
@@ -145,24 +166,30 @@ class RecomputePlan:
     ) -> RecomputePlan:
         """The same choice for every layer."""
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise RecomputeError(f"num_layers={num_layers!r}; expected a positive int")
+            raise RecomputeError(f"num_layers={num_layers!r:.50}; expected a positive int")
+        MAX_LAYERS.check(num_layers, "num_layers", RecomputeError)
         return cls(tuple(LayerPlan(i, Granularity(granularity), tuple(modules)) for i in range(num_layers)), **kwargs)
 
     @classmethod
     def parse(cls, spec: str, num_layers: int, **kwargs: Any) -> RecomputePlan:
         """From the text form: comma-separated ``layers=what``, layers as ``3`` or ``0-3``, what as
         ``none``, ``full`` or modules joined by ``+``; unnamed layers keep everything."""
+        if not isinstance(spec, str):
+            raise RecomputeError(f"plan spec {spec!r:.50}; expected text like '0-3=full'")
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise RecomputeError(f"num_layers={num_layers!r:.50}; expected a positive int")
+        MAX_LAYERS.check(num_layers, "num_layers", RecomputeError)
         choice: dict[int, LayerPlan] = {}
         for item in filter(None, (part.strip() for part in spec.split(","))):
             if "=" not in item:
-                raise RecomputeError(f"plan item {item!r}: expected 'layers=what', e.g. '0-3=full'")
+                raise RecomputeError(f"plan item {item[:60]!r}: expected 'layers=what', e.g. '0-3=full'")
             where, what = (x.strip() for x in item.split("=", 1))
-            m = re.fullmatch(r"(\d+)(?:-(\d+))?", where)
+            m = re.fullmatch(r"(\d{1,18})(?:-(\d{1,18}))?", where)
             if not m:
-                raise RecomputeError(f"plan item {item!r}: layers must be 'i' or 'i-j'")
+                raise RecomputeError(f"plan item {item[:60]!r}: layers must be 'i' or 'i-j'")
             first, last = int(m.group(1)), int(m.group(2) or m.group(1))
             if last < first or last >= num_layers:
-                raise RecomputeError(f"plan item {item!r}: layers {first}-{last} outside 0-{num_layers - 1}")
+                raise RecomputeError(f"plan item {item[:60]!r}: layers {first}-{last} outside 0-{num_layers - 1}")
             for i in range(first, last + 1):
                 if i in choice:
                     raise RecomputeError(f"plan item {item!r}: layer {i} is given twice")
@@ -239,20 +266,27 @@ class RecomputePlan:
     def from_dict(cls, data: dict) -> RecomputePlan:
         if not isinstance(data, dict):
             raise RecomputeError(f"a plan dict was expected, got {type(data).__name__}")
-        if data.get("schema") != SCHEMA:
-            raise RecomputeError(f"plan schema {data.get('schema')!r}; this ms-recompute reads schema {SCHEMA}")
-        try:
-            pred = data["prediction"]
-            prediction = None if pred is None else Prediction(**pred)
-            return cls.parse(
-                data["spec"],
-                data["num_layers"],
-                overlap=bool(data["overlap"]),
-                comms=data["comms"],
-                prediction=prediction,
-            )
-        except (KeyError, TypeError) as exc:
-            raise RecomputeError(f"malformed plan dict: {exc!r}") from None
+        schema = data.get("schema")
+        if schema != SCHEMA or isinstance(schema, bool):
+            raise RecomputeError(f"plan schema {schema!r:.50}; this ms-recompute reads schema {SCHEMA}")
+        missing = [k for k in ("spec", "num_layers", "overlap", "comms", "prediction") if k not in data]
+        if missing:
+            raise RecomputeError(f"malformed plan dict: missing {missing}")
+        pred = data["prediction"]
+        if pred is not None:
+            if not isinstance(pred, dict):
+                raise RecomputeError(f"plan prediction {pred!r:.50}; expected an object or null")
+            unknown = set(pred) - set(Prediction.__dataclass_fields__)
+            needed = {"baseline_bytes", "kept_bytes", "working_bytes", "recompute_s"} - set(pred)
+            if unknown or needed:
+                raise RecomputeError(f"plan prediction has unknown fields {sorted(unknown)} or lacks {sorted(needed)}")
+        return cls.parse(
+            data["spec"],
+            data["num_layers"],
+            overlap=data["overlap"],
+            comms=data["comms"],
+            prediction=None if pred is None else Prediction(**pred),
+        )
 
     def dumps(self) -> bytes:
         """msgpack bytes in ms-layout's versioned envelope."""
@@ -267,17 +301,20 @@ class RecomputePlan:
             raise RecomputeError(f"not a recompute plan: {exc}") from None
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the msgpack form to ``path`` (temporary name, then rename: never half a file)."""
-        path = os.fspath(path)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(self.dumps())
-        os.replace(tmp, path)
+        """Write the msgpack form to ``path`` atomically (``ms_layout.files``: never half a file)."""
+        atomic_write(path, self.dumps())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> RecomputePlan:
-        with open(path, "rb") as f:
-            return cls.loads(f.read())
+        """Read a plan file; missing, oversized or damaged files raise RecomputeError naming it."""
+        try:
+            blob = read_capped(path, MAX_PLAN_BYTES.value, "plan file")
+        except FileError as exc:
+            raise RecomputeError(str(exc)) from None
+        try:
+            return cls.loads(blob)
+        except RecomputeError as exc:
+            raise RecomputeError(f"plan file {os.fspath(path)!r}: {exc}") from None
 
 
 serialization.register("RecomputePlan", RecomputePlan, RecomputePlan.to_dict, RecomputePlan.from_dict)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from itertools import combinations
 
 from .errors import RecomputeError
+from .limits import MAX_EXACT_WORK
 from .memory import LAYER_MODULES, LayerMemory
 from .plan import Granularity, LayerPlan, Prediction, RecomputePlan
 
@@ -95,11 +96,18 @@ class _TooLarge(Exception):
     """The exact frontier outgrew max_states."""
 
 
-def _frontier(options: Sequence[Sequence[Option]], cap: int, max_states: int) -> list[Option] | None:
-    """Least-time choice with sum(kept) <= cap (None if none fits), by a Pareto-frontier DP."""
+def _frontier(
+    options: Sequence[Sequence[Option]], cap: int, max_states: int, work: list[int] | None = None
+) -> list[Option] | None:
+    """Least-time choice with sum(kept) <= cap (None if none fits), by a Pareto-frontier DP.
+    ``work`` counts the states grown (across calls); over MS_RECOMPUTE_MAX_EXACT_WORK it gives up."""
     # A state is (kept, time, chosen options as a linked tuple); only non-dominated states survive.
     states: list[tuple[int, float, tuple]] = [(0, 0.0, ())]
     for layer_options_ in options:
+        if work is not None:
+            work[0] += len(states) * len(layer_options_)
+            if work[0] > MAX_EXACT_WORK.value:
+                raise _TooLarge
         grown = [(k + o.kept_bytes, t + o.recompute_s, (chosen, o)) for k, t, chosen in states for o in layer_options_]
         grown = [s for s in grown if s[0] <= cap]
         if not grown:
@@ -122,11 +130,12 @@ def _frontier(options: Sequence[Sequence[Option]], cap: int, max_states: int) ->
 def solve_exact(options: Sequence[Sequence[Option]], budget_bytes: int, max_states: int = 200_000) -> list[Option]:
     """The least-time choice of one option per layer with peak <= budget (RecomputeError if none)."""
     best: list[Option] | None = None
+    work = [0]
     for w in sorted({o.working_bytes for opts in options for o in opts}):
         allowed = [[o for o in opts if o.working_bytes <= w] for opts in options]
         if any(not a for a in allowed) or budget_bytes - w < 0:
             continue
-        chosen = _frontier(allowed, budget_bytes - w, max_states)
+        chosen = _frontier(allowed, budget_bytes - w, max_states, work)
         if chosen is None:
             continue
         key = (sum(o.recompute_s for o in chosen), _peak(chosen))
@@ -143,10 +152,16 @@ def solve_greedy(options: Sequence[Sequence[Option]], budget_bytes: int) -> list
     chosen = [min(opts, key=lambda o: (o.recompute_s, o.kept_bytes)) for opts in options]
     while _peak(chosen) > budget_bytes:
         now, best, best_ratio = _peak(chosen), None, -1.0
+        # The peak of each trial (layer i changed to o) from totals, in O(1) instead of a copy and a
+        # sum per trial: the same integers, so the same choices, without the cubic cost in layers.
+        kept = sum(c.kept_bytes for c in chosen)
+        works = sorted((c.working_bytes for c in chosen), reverse=True)
+        top, second = works[0], works[1] if len(works) > 1 else 0
         for i, opts in enumerate(options):
+            others = second if chosen[i].working_bytes == top else top
             for o in opts:
-                trial = chosen[:i] + [o] + chosen[i + 1 :]
-                saved, added = now - _peak(trial), o.recompute_s - chosen[i].recompute_s
+                trial_peak = kept - chosen[i].kept_bytes + o.kept_bytes + max(others, o.working_bytes)
+                saved, added = now - trial_peak, o.recompute_s - chosen[i].recompute_s
                 if saved <= 0:
                     continue
                 ratio = float("inf") if added <= 0 else saved / added
@@ -220,7 +235,8 @@ def plan_recompute(
         except _TooLarge:
             if method == "exact":
                 raise RecomputeError(
-                    f"the exact frontier exceeded max_states={max_states}; use method='greedy'"
+                    f"the exact frontier exceeded max_states={max_states} or {MAX_EXACT_WORK.value} states grown"
+                    f" (raise it with {MAX_EXACT_WORK.env}=N); use method='greedy'"
                 ) from None
             chosen, used = solve_greedy(options, budget_bytes), "greedy"
     else:

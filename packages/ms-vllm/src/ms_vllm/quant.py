@@ -16,7 +16,8 @@ Quantized layers: every `Linear` of the decoder layers except MLA's `kv_b_proj` 
 attention reads its weight directly) and the stacked routed experts; embeddings, norms, the router
 and the LM head stay float. `quantize_checkpoint` runs the float model on calibration prompts to
 record each layer's input absolute maximum (forward pre-hooks, PyNative) and writes the directory
-atomically (temporary name, then rename).
+with ``ms_layout.files.atomic_dir`` (built under a temporary name, then swapped in; a folder left by
+a killed run is removed by the next one).
 """
 
 from __future__ import annotations
@@ -24,18 +25,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 
 import numpy as np
 from mindspore import Tensor, nn, ops
 from mindspore import dtype as mstype
 
-METHODS = ("ms_w8a8", "ms_w4a16")
+from ms_layout.files import atomic_dir
+
+from .quant_checks import METHODS, QuantError, check_group_size, check_method, check_source, check_target
+
 SKIPPED = ("kv_b_proj",)
-
-
-class QuantError(ValueError):
-    """A checkpoint or request that cannot be quantized or loaded as quantized."""
+__all__ = ["METHODS", "QuantError", "load_quantized", "quantize_checkpoint"]
 
 
 # ------------------------------------------------------------------ math (numpy)
@@ -143,10 +143,12 @@ def quantize_checkpoint(src: str, dst: str, method: str, prompts: list[list[int]
 
     import ms_models
 
-    if method not in METHODS:
-        raise QuantError(f"method {method!r}; expected one of {METHODS}")
+    check_method(method)
     if method == "ms_w8a8" and not prompts:
         raise QuantError("W8A8 static needs calibration prompts for its activation scales")
+    check_group_size(group_size)
+    config = check_source(src)
+    check_target(src, dst)
     model = ms_models.from_pretrained(src)
     tensors = ms_models.hf_state_dict(model)
     amax = calibrate(model, prompts) if method == "ms_w8a8" else {}
@@ -165,23 +167,16 @@ def quantize_checkpoint(src: str, dst: str, method: str, prompts: list[list[int]
             tensors.update({f"{name}.weight_packed": packed, f"{name}.weight_scale": s})
             tensors[f"{name}.weight_shape"] = np.array(w.shape, np.int32)
             quant_bytes += packed.nbytes + s.nbytes + 8
-    config = json.load(open(os.path.join(src, "config.json")))
     config["quantization_config"] = {"quant_method": method, "group_size": group_size}
-    parent = os.path.dirname(os.path.abspath(dst)) or "."
-    tmp = tempfile.mkdtemp(prefix=".quant-", dir=parent)
-    try:
+    # check_target allowed replacing dst only if it is an earlier quantized checkpoint; the old one
+    # stays in place until the new folder is complete.
+    with atomic_dir(dst, overwrite=True) as tmp:
         for f in os.listdir(src):
-            if f.startswith("tokenizer") or f == "special_tokens_map.json":
+            if (f.startswith("tokenizer") or f == "special_tokens_map.json") and os.path.isfile(os.path.join(src, f)):
                 shutil.copy(os.path.join(src, f), tmp)
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(tmp, "model.safetensors"))
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
-        if os.path.exists(dst):
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     layers = len(quantizable(model))
     return {"method": method, "layers": layers, "float_bytes": float_bytes, "quantized_bytes": quant_bytes}
 
@@ -192,17 +187,27 @@ def load_quantized(path: str, method: str):
 
     import ms_models
 
+    check_method(method)
+    quant_config = check_source(path).get("quantization_config")
+    if not isinstance(quant_config, dict) or quant_config.get("quant_method") != method:
+        found = quant_config.get("quant_method") if isinstance(quant_config, dict) else None
+        raise QuantError(f"{path!r} is not an {method} checkpoint (quantization_config.quant_method = {found!r:.50})")
+    group = quant_config.get("group_size", 32)
+    check_group_size(group)
     config = ms_models.load_config(path)
     model = ms_models.from_config(config, seed=0)
     raw = {}
     for f in sorted(os.listdir(path)):
         if f.endswith(".safetensors"):
             raw.update(load_file(os.path.join(path, f)))
-    group = int(json.load(open(os.path.join(path, "config.json")))["quantization_config"].get("group_size", 32))
     cells = dict(model.cells_and_names())
     replaced = {}
     for name in quantizable(model):
         bias = raw.pop(f"{name}.bias", None)
+        needed = ("weight", "weight_scale", "input_scale") if method == "ms_w8a8" else ("weight_packed", "weight_scale")
+        missing = [f"{name}.{k}" for k in needed if f"{name}.{k}" not in raw]
+        if missing:
+            raise QuantError(f"{path!r} lacks the quantized tensors {missing[:3]}")
         if method == "ms_w8a8":
             w, s = raw.pop(f"{name}.weight"), raw.pop(f"{name}.weight_scale")
             layer = W8A8Linear(w, s, raw.pop(f"{name}.input_scale")[0], bias)

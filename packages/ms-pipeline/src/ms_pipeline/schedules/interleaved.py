@@ -44,10 +44,10 @@ def interleaved_1f1b(
     num_ranks: int, num_microbatches: int, stages_per_rank: int = 2, group_size: int | None = None
 ) -> Schedule:
     """``stages_per_rank`` chunks per rank in a loop placement, fused backward (BW)."""
-    check_sizes("interleaved", num_ranks, num_microbatches)
+    check_sizes("interleaved", num_ranks, num_microbatches, stages_per_rank)
     p, m, v = num_ranks, num_microbatches, stages_per_rank
     g = p if group_size is None else group_size
-    if v < 1 or g < 1:
+    if isinstance(g, bool) or not isinstance(g, int) or g < 1:
         raise ScheduleError(f"interleaved: stages_per_rank and group_size must be >= 1, got {v}, {g}")
     table, first_group = _table(m, v, g)
     total = len(table)

@@ -25,7 +25,7 @@ step of DualPipeV and MindSpore's ``pp_1f1b_overlap``.
 
 from __future__ import annotations
 
-from ..ir import Action, Kind, Schedule
+from ..ir import Action, Kind, Schedule, check_schedule_size
 from ..placement import stage_to_rank
 from ._common import check_sizes
 
@@ -121,8 +121,10 @@ def _drop_missing(acts: list[Action], m: int) -> list[Action]:
 
 def zero_bubble_v(num_ranks: int, num_microbatches: int, overlap: bool = False) -> Schedule:
     """2 * num_ranks stages in a V placement, B and W split; ``overlap`` for 1B1F steady pairs."""
-    check_sizes("zbv", num_ranks, num_microbatches)
+    check_sizes("zbv", num_ranks, num_microbatches, 2)
     p, m = num_ranks, num_microbatches
     n = max(2 * p - 1, m)
+    if n > m:  # the pattern is built for n microbatches, then cut: the work is 2p x n
+        check_schedule_size(2 * p, n, f"zbv ({p} ranks x 2, the V pattern padded to {n} microbatches)")
     ranks = [_drop_missing(_rank_actions(p, i, n, overlap), m) for i in range(p)]
     return Schedule("zbv", 2 * p, m, stage_to_rank(p, 2, "v"), ranks)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from ms_layout.limits import Limit
+
 from ..errors import ScheduleError
 from ..ir import Action, Kind, Schedule
 from ..placement import stage_to_rank
@@ -31,6 +33,10 @@ from ._common import check_sizes
 from .zero_bubble_v import zero_bubble_v
 
 _INF = float("inf")
+
+MAX_ADAPTIVE_WORK = Limit("MS_PIPELINE_MAX_ADAPTIVE_WORK", 1 << 13, "rank x stage x microbatch steps")
+"""The greedy passes cost about ranks x stages x microbatches steps (plus five simulations): the
+default keeps the search within a few seconds (p=8, m=64; p=64, m=1; p=1, m=4096)."""
 
 
 class _Greedy:
@@ -152,8 +158,12 @@ def zero_bubble_v_adaptive(
     """ZeroBubbleV ordered for ``costs`` (per stage, i.e. already split in two chunks per rank;
     default: equal costs). ``memory_limit``: chunk-microbatches alive per rank (default 2p, the
     1F1B peak). Returns the fastest of the greedy orders and the fixed pattern under ``costs``."""
-    check_sizes("zbv", num_ranks, num_microbatches)
+    check_sizes("zbv-adaptive", num_ranks, num_microbatches, 2)
     p, m = num_ranks, num_microbatches
+    # Each greedy pass looks at every rank for every action: p x (2p x m) steps, four passes.
+    MAX_ADAPTIVE_WORK.check(
+        p * 2 * p * m, f"zbv-adaptive search {p} ranks x {2 * p} stages x {m} microbatches", ScheduleError
+    )
     costs = costs or CostModel().split(2)
     limit = 2 * p if memory_limit is None else memory_limit
     if limit < 2:

@@ -179,14 +179,7 @@ CLI_CASES = [
 
 @pytest.mark.parametrize(("argv", "message"), CLI_CASES, ids=[" ".join(a)[:60] for a, _ in CLI_CASES])
 def test_cli_bad_input_is_one_line_exit_2(argv, message):
-    run = run_script("ms_layout.cli", argv)
-    assert run.rc == 2, run.stderr
-    assert run.stdout == ""
-    lines = run.stderr.splitlines()
-    assert len(lines) == 1, run.stderr
-    assert lines[0].startswith("ms-layout: error: ")
-    assert message in lines[0]
-    assert "Traceback" not in run.stderr
+    run_script("ms_layout.cli", argv).assert_one_line_error("ms-layout", message)
 
 
 def test_cli_huge_world_is_refused_before_allocating():
@@ -207,8 +200,6 @@ def test_cli_debug_shows_the_traceback():
     )
 
 
-def test_cli_bad_flag_is_argparse_exit_2():
+def test_cli_bad_flag_is_one_line_exit_2():
     run = run_script("ms_layout.cli", ["--dp", "two"])
-    assert run.rc == 2
-    assert run.stderr.splitlines()[-1] == "ms-layout config: error: argument --dp: invalid int value: 'two'"
-    assert "Traceback" not in run.stderr
+    run.assert_one_line_error("ms-layout config", "argument --dp: invalid int value: 'two' (ms-layout config -h")

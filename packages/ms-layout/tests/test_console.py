@@ -69,3 +69,13 @@ def test_debug_is_accepted_after_a_subcommand(capsys):
     with pytest.raises(LayoutError):
         run_console("tool", parser, lambda a: _body(argparse.Namespace(what="layout")), ["go", "--debug"])
     assert run_console("tool", parser, lambda a: _body(argparse.Namespace(what="layout")), ["go"]) == 2
+
+
+def test_argparse_errors_are_one_line(capsys):
+    parser = argparse.ArgumentParser(prog="tool")
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("go").add_argument("--n", type=int)
+    with pytest.raises(SystemExit) as exc:
+        run_console("tool", parser, lambda a: None, ["go", "--n", "two"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == "tool go: error: argument --n: invalid int value: 'two' (tool go -h for help)\n"

@@ -255,12 +255,7 @@ def files(tmp_path_factory):
 @pytest.mark.parametrize(("argv", "message"), CLI_CASES, ids=[" ".join(a)[:70] for a, _ in CLI_CASES])
 def test_cli_bad_input_is_one_line_exit_2(files, argv, message):
     run = run_script("ms_pipeline.cli", [a.format(tmp=files) for a in argv])
-    assert run.rc == 2, run.stderr
-    lines = run.stderr.splitlines()
-    assert len(lines) == 1, run.stderr
-    assert lines[0].startswith("ms-pipeline: error: ")
-    assert message.format(tmp=files) in lines[0]
-    assert "Traceback" not in run.stderr
+    run.assert_one_line_error("ms-pipeline", message.format(tmp=files), stdout_empty=False)
     assert not list(files.glob(".*tmp-*"))  # no temporary file left behind
 
 

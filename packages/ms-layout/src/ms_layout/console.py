@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from .files import FileError
 
@@ -28,14 +29,25 @@ def _message(exc: BaseException) -> str:
     return " ".join(text.split()) if "\n" not in text.strip() else text.strip()
 
 
-def _add_debug(parser: argparse.ArgumentParser, default: object) -> None:
-    """``--debug`` on the parser and on every subcommand (so it may come before or after it)."""
+def _one_line_errors(parser: argparse.ArgumentParser) -> None:
+    """argparse's own errors (a bad flag) as one line too: ``PROG: error: ... (PROG -h for help)``."""
+
+    def error(message: str) -> NoReturn:
+        parser.exit(2, f"{parser.prog}: error: {message} ({parser.prog} -h for help)\n")
+
+    parser.error = error  # type: ignore[method-assign]
+
+
+def _prepare(parser: argparse.ArgumentParser, debug_default: object) -> None:
+    """``--debug`` and one-line errors on the parser and on every subcommand (so that ``--debug``
+    may come before or after the subcommand)."""
     if not any("--debug" in a.option_strings for a in parser._actions):
-        parser.add_argument("--debug", action="store_true", default=default, help="show the traceback of an error")
+        parser.add_argument("--debug", action="store_true", default=debug_default, help="show the traceback of errors")
+    _one_line_errors(parser)
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
-                _add_debug(sub, argparse.SUPPRESS)
+                _prepare(sub, argparse.SUPPRESS)
 
 
 def run_console(
@@ -46,7 +58,7 @@ def run_console(
     expected: tuple[type[BaseException], ...] = (),
 ) -> int:
     """Run a console script's `body`; returns its exit code (0 when it returns None)."""
-    _add_debug(parser, default=False)
+    _prepare(parser, debug_default=False)
     args = parser.parse_args(None if argv is None else list(argv))
     debug = bool(getattr(args, "debug", False)) or os.environ.get("MS_TOOLKIT_DEBUG") == "1"
     try:

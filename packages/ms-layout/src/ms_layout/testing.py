@@ -113,6 +113,17 @@ class ScriptRun:
     """Peak resident memory of the child itself (from wait4, not of the test process)."""
     seconds: float
 
+    def assert_one_line_error(self, prog: str, message: str, stdout_empty: bool = True) -> None:
+        """Exit code 2, nothing on stdout, and one stderr line ``PROG: error: ...`` holding `message`."""
+        assert self.rc == 2, self.stderr
+        if stdout_empty:
+            assert self.stdout == "", self.stdout
+        lines = self.stderr.splitlines()
+        assert len(lines) == 1, self.stderr
+        assert lines[0].startswith(f"{prog}: error: "), lines[0]
+        assert message in lines[0], (message, lines[0])
+        assert "Traceback" not in self.stderr
+
 
 # Runs the script and reports its own rusage. Linux carries a forked child's peak RSS (the copy of the
 # parent's pages) over its exec, so a script forked straight from pytest would report pytest's peak;

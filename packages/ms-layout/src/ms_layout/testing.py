@@ -3,6 +3,10 @@
 * fixture ``run_ranks``: ``results = run_ranks(fn, nprocs=4, backend="gloo", timeout=60,
   args=(...))`` runs ``fn(group, *args)`` on local ranks (:func:`ms_layout.comm.run_local`);
   ``fn`` must be a module-level function of the test file (ranks are spawned processes).
+* fixture ``shaped_network``: ``net = shaped_network(2, rate="100mbit")`` builds a
+  :class:`ms_layout.comm.netns.ShapedNetwork` (each rank in its own network namespace, links shaped
+  by tbf), removed after the test; ``run_ranks(fn, 2, network=net)`` runs ranks on it. The test is
+  skipped, with the reason, where namespaces cannot be made (not root, no iproute2).
 * markers: ``needs_torch`` and ``needs_mindspore`` (the core-only test variant deselects them with
   ``-m "not needs_torch and not needs_mindspore"``; they are never skipped silently, so a full run
   with a broken install fails loudly), and ``ascend`` (skipped unless an Ascend device is found).
@@ -95,10 +99,33 @@ def run_ranks() -> RunRanks:
         args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
+        network: Any = None,
     ) -> list:
-        return run_local(fn, nprocs, backend=backend, args=args, kwargs=kwargs, timeout=timeout, env=env)
+        return run_local(
+            fn, nprocs, backend=backend, args=args, kwargs=kwargs, timeout=timeout, env=env, network=network
+        )
 
     return run
+
+
+@pytest.fixture
+def shaped_network():
+    """Build shaped networks for the test (skipped where they cannot be made); removed after it."""
+    from ms_layout.comm.netns import ShapedNetwork, available
+
+    ok, why = available()
+    if not ok:
+        pytest.skip(f"no shaped network: {why}")
+    built: list[ShapedNetwork] = []
+
+    def make(nranks: int = 2, rate: str = "1gbit", **kwargs: Any) -> ShapedNetwork:
+        net = ShapedNetwork(nranks, rate=rate, **kwargs).__enter__()
+        built.append(net)
+        return net
+
+    yield make
+    for net in built:
+        net.__exit__(None, None, None)
 
 
 @dataclass(frozen=True)

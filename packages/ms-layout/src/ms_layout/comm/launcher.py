@@ -83,6 +83,10 @@ def _rank_main(
     conn: Connection,
 ) -> None:
     """Entry point of one rank (runs in the child)."""
+    if rank_env.get("MS_LAYOUT_NETNS"):  # a shaped network: into this rank's namespace first
+        from ms_layout.comm.netns import enter
+
+        enter(rank_env["MS_LAYOUT_NETNS"])
     try:
         os.setpgrp()  # so the launcher can kill this rank and anything it started, together
     except OSError:
@@ -160,16 +164,21 @@ def run_local(
     kwargs: Mapping[str, Any] | None = None,
     timeout: float = 120.0,
     env: Mapping[str, str] | None = None,
+    network: Any = None,
 ) -> list[Any]:
     """Run ``fn(group, *args, **kwargs)`` on ``nprocs`` local ranks; return the results in rank
     order. ``fn`` must be picklable (a module-level function). ``env`` adds variables to every
-    rank. Raises RankFailedError for the first failing rank, CommError on timeout."""
+    rank; ``network`` (an entered :class:`ms_layout.comm.netns.ShapedNetwork` of at least
+    ``nprocs`` ranks) runs each rank in its own namespace over the shaped links. Raises
+    RankFailedError for the first failing rank, CommError on timeout."""
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise CommArgumentError(f"nprocs must be a positive int, got {nprocs!r}")
     if backend not in ("auto", "gloo", "mindspore"):
         raise CommArgumentError(f"unknown backend {backend!r}; expected 'auto', 'gloo' or 'mindspore'")
     if not timeout > 0:
         raise CommArgumentError(f"timeout must be positive, got {timeout!r}")
+    if network is not None and (not network.up or network.nranks < nprocs):
+        raise CommArgumentError(f"network {network!r} is not up or has fewer than {nprocs} ranks")
     ctx = _context()
     port = free_port()
     procs: list[Any] = []
@@ -184,6 +193,7 @@ def run_local(
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
                 **dict(env or {}),
+                **(network.rank_env(rank) if network is not None else {}),
             }
             reader, writer = ctx.Pipe(duplex=False)
             p = ctx.Process(

@@ -13,6 +13,12 @@ in flight while its partner computes. The figure is the recompute part only: the
 spends inside recomputes, summed over the step, slowest rank; minimum and median over repetitions.
 Also reported: the same all-reduce alone, and the time the recomputes spent blocked in ``wait``.
 A second table checks memory in fresh processes: what the tape keeps, and the resident set.
+
+On loopback communication is free, so the same comparison runs again (hidden 256) with the two
+ranks in network namespaces whose links a tbf qdisc holds to a rate (``ms_layout.comm.netns``;
+root only, skipped with the reason otherwise). ``--rate auto`` picks the rate at which one layer's
+all-reduce costs ``--share`` (default 0.4) of that layer's recompute measured on loopback, the
+seed's setting (communication a third to a half of a layer's compute).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ LAYERS = 4
 # (hidden, heads, kv heads, MLP width); batch 4 x 128 tokens
 FULL_SIZES = ((128, 4, 2, 256), (256, 4, 2, 512), (512, 8, 4, 1024))
 QUICK_SIZES = ((128, 4, 2, 256),)
+SHAPED_SIZE = (256, 4, 2, 512)  # the size run again over the shaped link
 BATCH, SEQ = 4, 128
 MODES = ("sequential", "paired")
 # memory check: 8 single-device Llama layers, hidden 256, batch 4 x 256, fresh process per plan
@@ -195,6 +202,27 @@ def _memory(group, spec: str) -> dict:
     }
 
 
+def _shaped_rate(rows: list[dict], share: float) -> tuple[str, dict]:
+    """The link rate at which one layer's all-reduce takes `share` of its loopback recompute."""
+    from ms_layout.comm.netns import rate_for
+
+    row = next(r for r in rows if r["hidden"] == SHAPED_SIZE[0])
+    layer_s = row["recompute_ms_sequential"] / 1e3 / LAYERS
+    nbytes = BATCH * SEQ * row["hidden"] * 4
+    return rate_for(nbytes, share * layer_s), {"layer_recompute_ms": round(layer_s * 1e3, 1), "bytes": nbytes}
+
+
+def _run_shaped(rate: str, warm: int, reps: int) -> list | str:
+    """The TP comparison at SHAPED_SIZE over links shaped to `rate`, or why it cannot run here."""
+    from ms_layout.comm.netns import ShapedNetwork, available
+
+    ok, why = available()
+    if not ok:
+        return why
+    with ShapedNetwork(NPROCS, rate=rate) as net:
+        return run_local(_bench, NPROCS, backend="gloo", args=([SHAPED_SIZE], warm, reps, 0), timeout=3000, network=net)
+
+
 def _rows(sizes, results) -> list[dict]:
     """Per size: the recompute part of a step, sequential vs paired. The machine is shared, so a
     repetition can be slowed by anything else running: the minimum over repetitions is the figure
@@ -223,6 +251,20 @@ def _rows(sizes, results) -> list[dict]:
             }
         )
     return rows
+
+
+def _summary(rows: list[dict], shaped_rows: list[dict], shaped: dict) -> dict:
+    """Headline ratios: paired / sequential recompute part at hidden 256, loopback and shaped."""
+    plain = next((r for r in rows if r["hidden"] == SHAPED_SIZE[0]), rows[-1])
+    out = {
+        "paired_over_sequential_plain": plain["paired/sequential"],
+        "comm_share_plain_%": plain["comm_bound_%"],
+        "shaped_rate": shaped.get("rate"),
+    }
+    if shaped_rows:
+        out["paired_over_sequential_shaped"] = shaped_rows[0]["paired/sequential"]
+        out["comm_share_shaped_%"] = shaped_rows[0]["comm_bound_%"]
+    return out
 
 
 def _print(rows: list[dict], title: str) -> None:
@@ -284,11 +326,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/recompute.json"))
     parser.add_argument("--plot", type=Path, help="also draw the measured timeline of one pair (PNG)")
     parser.add_argument("--replot", action="store_true", help="only redraw --plot from the trace in --out")
+    parser.add_argument("--rate", default="auto", help="shaped link rate (tc units: 50mbit), 'auto', or 'none'")
+    parser.add_argument("--share", type=float, default=0.4, help="with --rate auto: all-reduce / layer recompute")
     args = parser.parse_args(argv)
     if args.replot:
         _plot(json.loads(args.out.read_text())["trace"], args.plot)
         return 0
     sizes = list(QUICK_SIZES if args.quick else FULL_SIZES)
+    if args.rate == "auto" and SHAPED_SIZE not in sizes:
+        sizes.append(SHAPED_SIZE)
     warm, reps = (1, 2) if args.quick else (1, 5)
     trace_size = len(sizes) // 2
     start = time.perf_counter()
@@ -296,6 +342,17 @@ def main(argv: list[str] | None = None) -> int:
     rows = _rows(sizes, results)
     title = f"recompute: {LAYERS} TP layers on {NPROCS} CPU ranks, recompute part of a backward (min over reps)"
     _print(rows, title)
+    shaped_rows, shaped = [], {"rate": None}
+    if args.rate != "none":
+        rate, basis = _shaped_rate(rows, args.share) if args.rate == "auto" else (args.rate, {})
+        shaped = {"rate": rate, "share_asked": args.share if args.rate == "auto" else None, **basis}
+        got = _run_shaped(rate, warm, reps)
+        if isinstance(got, str):
+            shaped["skipped"] = got
+            print(f"shaped link: skipped ({got})")
+        else:
+            shaped_rows = _rows([SHAPED_SIZE], got)
+            _print(shaped_rows, f"the same over a shaped link ({rate} per direction, network namespaces)")
     memory = [run_local(_memory, 1, backend="gloo", args=(spec,), timeout=1200)[0] for spec in MEMORY_PLANS]
     _print(memory, f"memory: {MEMORY_LAYERS} Llama layers, hidden 256, {MEMORY_BATCH}x{MEMORY_SEQ} tokens, fp32")
     result = {
@@ -304,7 +361,10 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info("torch", "mindspore", ranks=NPROCS),
         "quick": args.quick,
         "wall_s": round(time.perf_counter() - start, 1),
+        "summary": _summary(rows, shaped_rows, shaped),
         "rows": rows,
+        "shaped": shaped,
+        "shaped_rows": shaped_rows,
         "memory_rows": memory,
         "trace": {
             "hidden": sizes[trace_size][0],

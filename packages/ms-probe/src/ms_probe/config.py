@@ -173,8 +173,6 @@ def load_config(path: str | os.PathLike, **overrides: Any) -> DumpConfig:
     """Read msprobe's config.json."""
     try:
         raw = read_json(path, "config file", 1 << 20)
-    except FileError as e:
+    except FileError as e:  # read_json also turns deep nesting into a FileError
         raise ProbeError(str(e)) from None
-    except RecursionError:
-        raise ProbeError(f"config file {os.fspath(path)!r} is nested too deeply") from None
     return config_from_dict(raw, **overrides)

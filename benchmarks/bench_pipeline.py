@@ -36,8 +36,11 @@ import numpy as np
 from _common import machine_info, print_table, write_result
 from _pipeline_probes import PeakRSS, held_units, ping_pong
 
+from ms_layout.comm.netns import rate_for
+
 RANKS = 2
-MS = ("1f1b", "zbv", "zbv+fused")
+MS = ("1f1b", "zbv", "zbv+fused", "zbv+1b1f")
+SHAPED = ("1f1b", "zbv", "zbv+1b1f")  # the variants run again over the shaped link
 TORCH = ("torch 1f1b", "torch zbv")
 
 
@@ -65,6 +68,8 @@ def _schedule(name: str, ranks: int, m: int):
 
     if name.endswith("+fused"):
         return mp.fuse_adjacent_backward(mp.build(name.removesuffix("+fused"), ranks, m))
+    if name.endswith("+1b1f"):
+        return mp.build(name.removesuffix("+1b1f"), ranks, m, overlap=True)
     return mp.build(name, ranks, m)
 
 
@@ -83,7 +88,7 @@ def block_counts(layers: int, stages: int) -> list[int]:
     return counts
 
 
-def _rank(group, args):
+def _rank(group, args, variants=MS, with_torch=True):
     import _torch_pipeline_peer as peer
     import mindspore as ms
     import torch
@@ -95,7 +100,7 @@ def _rank(group, args):
     setup_cpu(1)
     torch.set_num_threads(1)
     config = _config(args)
-    shape = (args.micro_batch, args.seq, args.hidden)
+    shape = _shape(args)
     latency = ping_pong(group, shape)
     model = ms_models.from_config(config, seed=0)
     blocks = ms_models.pipeline_blocks(model)
@@ -103,7 +108,7 @@ def _rank(group, args):
     ids = rng.integers(0, args.vocab, (args.microbatches, args.micro_batch, args.seq + 1)).astype(np.int32)
     inputs, labels = [ms.Tensor(x[:, :-1]) for x in ids], [ms.Tensor(x[:, 1:]) for x in ids]
     runtimes, held, compile_s = {}, {}, {}
-    for name in MS:
+    for name in variants:
         schedule = _schedule(name, RANKS, args.microbatches)
         placement = mp.LayerPlacement.from_counts(block_counts(args.layers, schedule.num_stages))
         staged = mp.runtime.split_blocks(blocks, placement)
@@ -116,7 +121,7 @@ def _rank(group, args):
     t_ids = torch.from_numpy(ids[:, :, :-1].reshape(-1, args.seq).astype(np.int64))
     t_labels = torch.from_numpy(ids[:, :, 1:].reshape(-1, args.seq).astype(np.int64))
     torch_runs = {}
-    for name in TORCH:
+    for name in TORCH if with_torch else ():
         kind = name.split()[1]
         counts = layer_counts(args.layers, RANKS * (2 if kind == "zbv" else 1))
         last_rank = RANKS - 1 if kind == "1f1b" else 0
@@ -125,10 +130,11 @@ def _rank(group, args):
         start = time.perf_counter()
         peer.step(schedule, modules, group.rank, last_rank, t_ids, t_labels)  # warm-up
         compile_s[name] = time.perf_counter() - start
-    out = {name: {"times": [], "events": [], "rss": []} for name in (*MS, *TORCH)}
+    names = (*variants, *(TORCH if with_torch else ()))
+    out = {name: {"times": [], "events": [], "rss": []} for name in names}
     rss = PeakRSS()
     for _ in range(args.steps):
-        for name in (*MS, *TORCH):  # alternated: every variant sees the same machine
+        for name in names:  # alternated: every variant sees the same machine
             group.barrier()
             with rss:
                 start = time.perf_counter()
@@ -160,7 +166,7 @@ def _stage_costs(schedule, events, fallback=None):
     out = {"f": [med[(s, Kind.F)] for s in stages]}
     for key, kind in (("b", Kind.B), ("w", Kind.W), ("bw", Kind.BW)):
         values = [med.get((s, kind)) for s in stages]
-        if any(v is None for v in values) and fallback is not None and key in fallback:
+        if any(v is None for v in values) and fallback is not None and fallback.get(key) is not None:
             values = [fallback[key][s] if v is None else v for s, v in zip(stages, values)]
         out[key] = values if all(v is not None for v in values) else None
     return out
@@ -192,7 +198,7 @@ def _ms_row(name, args, per_rank, fallback=None):
     mem_b = [(h[1] - h[0]) / 2**20 for h in held]
     mem_w = [-h[1] / 2**20 for h in held]
     costs = mp.CostModel(f=f, b=b, w=w, bw=bw, comm=per_rank[0]["latency"], mem_f=mem_f, mem_b=mem_b, mem_w=mem_w)
-    predicted = mp.simulate(schedule, costs)
+    predicted = mp.simulate(mp.split_pairs(schedule), costs)  # a 1B1F pair runs as its halves
     step = statistics.median(step_times)
     row = {
         "schedule": name,
@@ -253,7 +259,7 @@ def _simulated(args, costs, ranks_list=(4, 8)):
     for ranks in ranks_list:
         m = max(args.microbatches, 2 * ranks)
         out = {}
-        for name in MS:
+        for name in ("1f1b", "zbv", "zbv+fused"):
             schedule = _schedule(name, ranks, m)
             n = schedule.num_stages
             if name == "1f1b":
@@ -274,6 +280,54 @@ def _simulated(args, costs, ranks_list=(4, 8)):
     return rows
 
 
+def _shape(args) -> tuple[int, int, int]:
+    """The activation crossing between stages (and its gradient)."""
+    return (args.micro_batch, args.seq, args.hidden)
+
+
+def _rows(args, results, variants, torch_variants):
+    """The table rows of one run (ms-pipeline variants, then torch's), with the ratios to 1F1B
+    and to the peer; and the measured per-stage costs of each ms-pipeline variant."""
+    rows, costs = [], {}
+    for name in variants:
+        row, costs[name] = _ms_row(name, args, [r[name] for r in results], costs.get("zbv"))
+        rows.append(row)
+    rows += [_torch_row(name, args, [r[name] for r in results]) for name in torch_variants]
+    by = {r["schedule"]: r for r in rows}
+    for r in rows:
+        base = by["torch 1f1b" if r["schedule"].startswith("torch") else "1f1b"]
+        r["/1f1b"] = r["step_s"] / base["step_s"]
+        peer = by.get("torch " + r["schedule"].split("+")[0])
+        if peer is not None:
+            r["torch_step/step"] = peer["step_s"] / r["step_s"]
+    return rows, costs
+
+
+def _pair_summary(by, suffix) -> dict:
+    """ZBV with 1B1F pairs over plain ZBV: measured, and as the simulator predicted it."""
+    pair, plain = by["zbv+1b1f"], by["zbv"]
+    return {
+        f"zbv_1b1f_over_plain{suffix}": pair["step_s"] / plain["step_s"],
+        f"zbv_1b1f_over_plain_predicted{suffix}": pair["predicted_s"] / plain["predicted_s"],
+    }
+
+
+def _run_shaped(args, rate):
+    """The ms-pipeline variants again, each rank in a network namespace on links held to `rate`;
+    a string says why that cannot run here (not root, no namespaces)."""
+    from ms_layout.comm import run_local
+    from ms_layout.comm.netns import ShapedNetwork, available
+
+    ok, why = available()
+    if not ok:
+        return why
+    with ShapedNetwork(RANKS, rate=rate) as net:
+        return run_local(
+            _rank, RANKS, backend="gloo", args=(args, SHAPED, False), timeout=3000,
+            env={"OMP_NUM_THREADS": "1"}, network=net,
+        )  # fmt: skip
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
@@ -289,7 +343,11 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer steps")
     parser.add_argument("--out", default="benchmarks/results/pipeline.json")
     parser.add_argument("--draw", metavar="DIR", help="also write PNG timelines of the fastest measured steps")
+    parser.add_argument("--rate", default="auto", help="shaped link rate (tc units: 200mbit), 'auto', or 'none'")
+    parser.add_argument("--share", type=float, default=0.4, help="with --rate auto: one transfer / one ZBV stage's F")
     args = parser.parse_args(argv)
+    if not 0 < args.share < 10:
+        parser.error(f"--share must be within (0, 10), got {args.share}")
     args.steps = args.steps or (3 if args.quick else 6)
     for flag in ("hidden", "layers", "seq", "micro_batch", "microbatches", "vocab", "heads", "kv_heads", "steps"):
         if getattr(args, flag) <= 0:
@@ -302,20 +360,27 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     results = run_local(_rank, RANKS, backend="gloo", args=(args,), timeout=3000, env={"OMP_NUM_THREADS": "1"})
     print(f"ran in {time.perf_counter() - start:.0f} s", file=sys.stderr)
-    rows, costs = [], {}
-    for name in MS:
-        row, costs[name] = _ms_row(name, args, [r[name] for r in results], costs.get("zbv"))
-        rows.append(row)
-    rows += [_torch_row(name, args, [r[name] for r in results]) for name in TORCH]
+    rows, costs = _rows(args, results, MS, TORCH)
     by = {r["schedule"]: r for r in rows}
-    for r in rows:
-        base = by["torch 1f1b" if r["schedule"].startswith("torch") else "1f1b"]
-        r["/1f1b"] = r["step_s"] / base["step_s"]
-        peer = by.get("torch " + r["schedule"].removesuffix("+fused")) or by[r["schedule"]]
-        r["torch_step/step"] = peer["step_s"] / r["step_s"]
     simulated = _simulated(args, costs)
+    shaped_rows, shaped = [], {"rate": None}
+    if args.rate != "none":
+        rate = args.rate
+        if rate == "auto":  # one activation crosses the link in `share` of a ZBV stage's forward
+            rate = rate_for(int(np.prod(_shape(args))) * 4, args.share * statistics.fmean(costs["zbv"]["f"]))
+        shaped = {"rate": rate, "share_asked": args.share if args.rate == "auto" else None}
+        got = _run_shaped(args, rate)
+        if isinstance(got, str):
+            print(f"shaped-link run skipped: {got}", file=sys.stderr)
+            shaped["skipped"] = got
+        else:
+            shaped_rows, _ = _rows(args, got, SHAPED, ())
+            shaped["comm_ms"] = shaped_rows[0]["comm_ms"]
+            shaped["comm_share"] = shaped["comm_ms"] / by["zbv"]["f_ms"]
+            if args.draw:
+                _draw(args.draw, got, args, SHAPED, suffix="-shaped")
     if args.draw:
-        _draw(args.draw, results, args)
+        _draw(args.draw, results, args, MS)
     model = {k: getattr(args, k) for k in ("hidden", "layers", "seq", "micro_batch", "microbatches", "vocab", "heads")}
     title = (
         f"ZeroBubbleV vs 1F1B, {RANKS} CPU ranks x 1 thread, Llama d={args.hidden} x {args.layers} layers, "
@@ -323,6 +388,9 @@ def main(argv=None) -> int:
     )
     print_table([{k: f"{v:.4g}" if isinstance(v, float) else v for k, v in r.items()} for r in rows], title)
     print_table([{k: f"{v:.4g}" if isinstance(v, float) else v for k, v in r.items()} for r in simulated], "simulated")
+    if shaped_rows:
+        where = f"the same over a shaped link ({shaped['rate']} per direction, network namespaces)"
+        print_table([{k: f"{v:.4g}" if isinstance(v, float) else v for k, v in r.items()} for r in shaped_rows], where)
     machine = machine_info("mindspore", "torch", ranks=RANKS, threads_per_rank=1, model=model)
     summary = {
         "zbv_over_1f1b": by["zbv"]["step_s"] / by["1f1b"]["step_s"],
@@ -330,8 +398,15 @@ def main(argv=None) -> int:
         "torch_zbv_over_1f1b": by["torch zbv"]["step_s"] / by["torch 1f1b"]["step_s"],
         "simulator_error": max(r["simulator_error"] for r in rows if "simulator_error" in r),
         "ms_zbv_over_torch_zbv_step": by["zbv"]["step_s"] / by["torch zbv"]["step_s"],
+        **_pair_summary(by, ""),
         "load_avg_1m": machine["load_avg_1m"],
     }
+    if shaped_rows:
+        sby = {r["schedule"]: r for r in shaped_rows}
+        summary.update(_pair_summary(sby, "_shaped"))
+        summary["zbv_over_1f1b_shaped"] = sby["zbv"]["step_s"] / sby["1f1b"]["step_s"]
+        summary["simulator_error_shaped"] = max(r["simulator_error"] for r in shaped_rows)
+        summary["comm_share_shaped"] = shaped["comm_share"]
     report = {
         "benchmark": "pipeline",
         "title": title,
@@ -339,18 +414,20 @@ def main(argv=None) -> int:
         "machine": machine,
         "rows": rows,
         "simulated_rows": simulated,
+        "shaped": shaped,
+        "shaped_rows": shaped_rows,
     }
     print(json.dumps(summary, indent=2))
     write_result(Path(args.out), report)
     return 0
 
 
-def _draw(png_dir, results, args) -> None:
+def _draw(png_dir, results, args, variants, suffix="") -> None:
     """The fastest measured step of each ms-pipeline schedule as a PNG (receive waits in grey)."""
     import ms_pipeline as mp
     from ms_pipeline.draw import draw_png
 
-    for name in MS:
+    for name in variants:
         per_rank = [r[name] for r in results]
         best = min(range(len(per_rank[0]["times"])), key=lambda i: max(r["times"][i] for r in per_rank))
         events = [e for r in per_rank for e in r["events"][best]]
@@ -360,7 +437,7 @@ def _draw(png_dir, results, args) -> None:
         bubbles = mp.Bubbles.of([e for e in events if e.action.is_compute], RANKS)
         title = f"{name}, measured, d={args.hidden}, m={args.microbatches}: {bubbles.makespan:.0f} ms"
         Path(png_dir).mkdir(parents=True, exist_ok=True)
-        path = Path(png_dir) / f"ms-pipeline-run-{name.replace('+', '-')}.png"
+        path = Path(png_dir) / f"ms-pipeline-run-{name.replace('+', '-')}{suffix}.png"
         draw_png(events, path, stage_to_rank=schedule.stage_to_rank, title=title, xlabel="ms")
 
 

@@ -57,11 +57,11 @@ def _train_two_steps(group, name, p, m, counts, layers, opt_name, options, steps
     first = runtime.step(inputs, labels)
     grads = runtime.grads()
     if steps == 1:
-        return first.loss, grads, None, None, first.events
+        return first.loss, grads, None, None, first.events, first.order
     runtime.optimizer_step()
     second = runtime.step(inputs, labels)
     weights = {p.name: p.asnumpy() for p in runtime.params}
-    return first.loss, grads, second.loss, weights, first.events
+    return first.loss, grads, second.loss, weights, first.events, first.order
 
 
 def _reference(m, layers, opt_name):
@@ -78,7 +78,7 @@ def _reference(m, layers, opt_name):
 def _compare(results, reference):
     loss, grads, loss_after, weights = reference
     seen = set()
-    for rank, (rank_loss, rank_grads, rank_loss_after, rank_weights, _) in enumerate(results):
+    for rank, (rank_loss, rank_grads, rank_loss_after, rank_weights, *_) in enumerate(results):
         assert_close(rank_loss, loss, RTOL, f"rank {rank} loss")
         assert_close(rank_loss_after, loss_after, RTOL, f"rank {rank} loss after the update")
         for name, g in rank_grads.items():
@@ -123,8 +123,8 @@ def test_pipelined_training_matches_single_process(run_ranks, p, runs, jit):
 def _one_step(group, runs):
     out = []
     for name, counts, options in runs:
-        loss, grads, *_ = _train_two_steps(group, name, 2, 4, counts, 3, "sgd", options, steps=1, jit=True)
-        out.append((name, loss, grads))
+        loss, grads, *_, order = _train_two_steps(group, name, 2, 4, counts, 3, "sgd", options, steps=1, jit=True)
+        out.append((name, loss, grads, order))
     return out
 
 
@@ -137,8 +137,12 @@ def test_every_schedule_family_matches_single_process(run_ranks):
     ]
     results = run_ranks(_one_step, nprocs=2, timeout=900, args=(runs,), env=ONE_THREAD)
     loss, grads, _, _ = _reference(4, 3, "sgd")
-    for rank_results in results:
-        for name, rank_loss, rank_grads in rank_results:
+    for rank, rank_results in enumerate(results):
+        for (name, rank_loss, rank_grads, order), (_, _, options) in zip(rank_results, runs):
+            # the rank ran its plan in order, transfers included; a 1B1F pair as its two halves,
+            # each with its own send and receive at its edges (ms_pipeline.split_pairs)
+            planned = mp.lower(mp.split_pairs(mp.build(name, 2, 4, **options))).actions[rank]
+            assert list(order) == list(planned), name
             assert_close(rank_loss, loss, RTOL, f"{name} loss")
             for key, g in rank_grads.items():
                 assert_close(g, grads[key], RTOL, f"{name} grad {key}")

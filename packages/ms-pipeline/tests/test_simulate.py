@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 import ms_pipeline as mp
-from ms_pipeline import CostModel, Event, ScheduleError
+from ms_pipeline import Action, CostModel, Event, Kind, ScheduleError
 
 GRID = [(p, m) for p in (2, 4, 8) for m in (p, 2 * p, 3 * p, 4 * p)]
 COSTS = [(1.0, 1.0, 1.0), (1.0, 1.0, 0.5), (1.0, 2.0, 1.0), (2.0, 1.0, 0.5), (1.0, 0.9972, 0.6321)]
@@ -196,3 +196,34 @@ def test_fusing_adjacent_backwards_keeps_the_bubble_fillers_and_is_priced_by_bw(
         mp.fuse_adjacent_backward(mp.lower(zbv))
     with pytest.raises(mp.ScheduleError, match="cost bw"):
         mp.CostModel(bw=-1.0)
+
+
+def test_split_pairs_gives_each_half_its_own_transfers():
+    """The runtime runs a 1B1F pair as its halves: the forward's send leaves before the backward
+    half computes and the backward's receive is waited for after the forward half; lowered as one
+    action, both receives come before the pair and both sends after it."""
+
+    paired = mp.zero_bubble_v(2, 8, overlap=True)
+    split = mp.split_pairs(paired)
+    assert split.name == paired.name and mp.split_pairs(mp.zero_bubble_v(2, 8)) == mp.zero_bubble_v(2, 8)
+    assert [[p for a in r for p in a.computes()] for r in paired.actions] == [list(r) for r in split.actions]
+    assert not any(a.kind is Kind.OVERLAP_F_B for r in split.actions for a in r)
+    mp.validate(split)
+    assert mp.split_pairs(mp.lower(paired)) == mp.lower(split)  # a lowered schedule is lowered again
+    pairs = [a for a in paired.actions[0] if a.kind is Kind.OVERLAP_F_B]
+    assert len(pairs) >= 4
+    whole, halves = list(mp.lower(paired).actions[0]), list(mp.lower(split).actions[0])
+    for pair in pairs:
+        fwd, bwd = pair.parts
+        send_f, recv_b = Action(fwd.stage, Kind.SEND_F, fwd.microbatch), Action(bwd.stage, Kind.RECV_B, bwd.microbatch)
+        if send_f in halves:
+            assert halves.index(fwd) < halves.index(send_f) < halves.index(bwd)
+            assert whole.index(send_f) > whole.index(pair)
+        if recv_b in halves:
+            assert halves.index(fwd) < halves.index(recv_b) < halves.index(bwd)
+            assert whole.index(recv_b) < whole.index(pair)
+    # the transfer latency is what the split saves: equal without one, less with one
+    for comm, saves in ((0.0, False), (20.0, True)):
+        costs = CostModel(f=20.0, b=28.0, w=23.0, comm=comm)
+        a, b = mp.simulate(paired, costs).makespan, mp.simulate(split, costs).makespan
+        assert b < a if saves else b == pytest.approx(a)

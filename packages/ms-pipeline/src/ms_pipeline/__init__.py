@@ -27,7 +27,7 @@ from .schedules import (
 )
 from .serialize import dumps, from_csv, load, loads, save, to_csv
 from .simulate import Bubbles, CostModel, Event, SimResult, peak_activation, simulate
-from .transforms import fuse_adjacent_backward
+from .transforms import fuse_adjacent_backward, split_pairs
 from .validate import format_grid, is_valid, validate
 
 __version__ = "0.1.0"
@@ -64,6 +64,7 @@ __all__ = [
     "runtime",
     "save",
     "simulate",
+    "split_pairs",
     "stage_to_rank",
     "step_simulate",
     "to_csv",

@@ -13,8 +13,15 @@ are the gradient of the mean loss), and :meth:`PipelineRuntime.optimizer_step` a
 a MindSpore ``nn`` optimizer (``nn.SGD``/``nn.Adam``; ``mint.optim`` silently does not update on
 CPU, see docs/mindspore-cpu.md §10.2).
 
+A 1B1F pair (OVERLAP_F_B) runs, unless an ``overlap_fn`` is given, as its two halves with each
+half's transfers at its own edges (:func:`ms_pipeline.split_pairs`): the forward's activation is
+already on its way while the backward half computes, and the backward half's gradient has the
+forward half's time to arrive. Lowered as one action, the pair would wait for both receives
+before it starts and send both results after it ends.
+
 Every computation and every wait for a receive is recorded (wall-clock start and end), so a real
-step can be drawn, exported as a Chrome trace and measured like a simulated one.
+step can be drawn, exported as a Chrome trace and measured like a simulated one; ``order`` holds
+every action the rank ran, transfers included, in the order it ran them.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from ..ir import Action, Kind, Schedule
 from ..lower import lower
 from ..messages import Message, message_of
 from ..simulate import Event
+from ..transforms import split_pairs
 from ..validate import validate
 from .stage import Stage
 
@@ -47,6 +55,8 @@ class StepResult:
     """Mean loss over the microbatches (the same on every rank)."""
     events: tuple[Event, ...]
     """This rank's computations and receive waits, wall-clock seconds."""
+    order: tuple[Action, ...] = ()
+    """Every action this rank ran, sends and receives included, in the order it ran them."""
 
 
 class PipelineRuntime:
@@ -55,9 +65,10 @@ class PipelineRuntime:
     ``blocks[s]`` are the MindSpore Cells of stage s (only this rank's stages are needed).
     ``activation_shape`` is the shape of the tensor crossing from stage s to s+1 (the same shape
     flows back as its gradient), or a function of s; ``dtype`` its numpy dtype.
-    ``overlap_fn(runtime, forward, backward)`` runs an OVERLAP_F_B pair; by default its halves
-    run one after the other (a model with communication inside can overlap them, as DualPipe's
-    ``overlapped_forward_backward``). ``jit`` compiles each block's forward and gradients with
+    ``overlap_fn(runtime, forward, backward)`` runs an OVERLAP_F_B pair (a model with
+    communication inside its passes can interleave them, as DualPipe's
+    ``overlapped_forward_backward``); by default the pair runs as its halves, each with its own
+    transfers at its edges (module docstring). ``jit`` compiles each block's forward and gradients with
     ``mindspore.jit`` (seconds per stage once, then several times faster than PyNative). ``dw``
     says how the backward is computed (see :class:`Stage`): "explicit" runs the blocks' own passes
     (B without a forward re-run, W from the kept pairs), "stored" queues each linear layer's input
@@ -84,7 +95,9 @@ class PipelineRuntime:
                 f"schedule {schedule.name} needs {schedule.num_ranks} ranks, the group has {group.size}"
             )
         self.schedule = schedule
-        self.actions = validate(lower(schedule)).actions[group.rank]  # with sends and receives
+        # with sends and receives; a pair run as its halves gets each half's transfers at its edges
+        executed = schedule if overlap_fn is not None else split_pairs(schedule)
+        self.actions = validate(lower(executed)).actions[group.rank]
         self.group = group
         self.rank = group.rank
         mine = schedule.stages_of(self.rank)
@@ -185,6 +198,7 @@ class PipelineRuntime:
             stage.backward_weight(mb)
 
     def _run(self, action: Action) -> None:
+        self._order.append(action)
         kind = action.kind
         if kind in (Kind.SEND_F, Kind.SEND_B):
             direction = Kind.F if kind is Kind.SEND_F else Kind.B
@@ -224,6 +238,7 @@ class PipelineRuntime:
         self._sends: list[tuple[Any, np.ndarray]] = []
         self._losses: dict[int, float] = {}
         self._events: list[Event] = []
+        self._order: list[Action] = []
         self._next_post = 0
         self.group.barrier()  # a common start, so the ranks' clocks line up in the trace
         for i, action in enumerate(self.actions):
@@ -242,7 +257,7 @@ class PipelineRuntime:
             )
         total = np.array([sum(self._losses.values()) / m], dtype=np.float64)
         self.group.all_reduce(total)  # only the rank of the last stage adds a non-zero
-        return StepResult(float(total[0]), tuple(self._events))
+        return StepResult(float(total[0]), tuple(self._events), tuple(self._order))
 
     # ------------------------------------------------------------ gradients
     @property

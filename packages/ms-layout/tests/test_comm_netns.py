@@ -119,3 +119,44 @@ def test_rate_for_a_share_of_compute():
     assert netns.rate_for(512 * 1024, 0.004) == "1048576kbit"
     with pytest.raises(CommError, match="positive bytes and seconds"):
         netns.rate_for(0, 1.0)
+
+
+def test_msrun_argv_is_one_node_per_namespace(shaped_network):
+    net = shaped_network(3, rate="100mbit")
+    argv = net.msrun_argv(2, "train.py", ["--steps", "3"], local_workers=2, port=9000, log_dir="logs")
+    assert argv[:4] == ["ip", "netns", "exec", net.namespace(2)]
+    assert argv[4] == "msrun" and argv[-3:] == ["train.py", "--steps", "3"]
+    flags = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+    assert flags["worker_num"] == "6" and flags["local_worker_num"] == "2" and flags["node_rank"] == "2"
+    assert flags["master_addr"] == net.address(0) and flags["master_port"] == "9000"
+    assert net.node_env() == {"GLOO_SOCKET_IFNAME": "eth0"}
+
+
+def test_sent_bytes_counts_what_crossed_the_link(shaped_network):
+    net = shaped_network(2, rate="100mbit")
+    before = net.sent_bytes(0)
+    send = (
+        "import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+        f"[s.sendto(bytes(1000), ('{net.address(1)}', 9)) for _ in range(3)]"
+    )
+    subprocess.run(net.exec_argv(0, [sys.executable, "-c", send]), check=True, timeout=30)
+    assert net.sent_bytes(0) - before >= 3 * 1000
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda net: net.msrun_argv(5, "x.py"), "node = 5; this network has nodes 0..1"),
+        (lambda net: net.msrun_argv(0, "x.py", local_workers=0), "local_workers = 0"),
+        (lambda net: net.msrun_argv(0, "x.py", port=80), "port = 80"),
+        (lambda net: net.sent_bytes(-1), "node = -1"),
+    ],
+)
+def test_bad_node_arguments_name_the_value(shaped_network, call, message):
+    with pytest.raises(CommError, match=message):
+        call(shaped_network(2))
+
+
+def test_a_closed_network_refuses_node_commands():
+    with pytest.raises(CommError, match="is not up"):
+        netns.ShapedNetwork(2).exec_argv(0, ["true"])

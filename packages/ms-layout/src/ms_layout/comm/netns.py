@@ -18,6 +18,12 @@ opens a socket) with gloo bound to ``eth0`` and the rendezvous at rank 0's addre
 namespaces are removed on exit, on an exception, on SIGTERM, at interpreter exit, and, for a
 harness killed with SIGKILL, by the next one (names carry the creator's pid).
 
+The same namespaces serve as hosts of a multi-node job: ``net.msrun_argv(node, script, args)``
+is MindSpore's ``msrun`` with its multi-node arguments (``--node_rank``, ``--master_addr`` = node
+0's address, one node per namespace), run inside that node's namespace with ``ip netns exec``;
+``net.node_env()`` binds gloo to the node's ``eth0``. ``net.sent_bytes(node)`` reads the node's
+egress counter from tc, so a test can check that its traffic crossed the shaped link.
+
 Needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN) and the ``ip`` and ``tc`` tools; ``available()`` says
 why not where it cannot run.
 """
@@ -33,6 +39,7 @@ import re
 import shutil
 import signal
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ms_layout.errors import CommError
@@ -159,6 +166,59 @@ class ShapedNetwork:
     def rank_env(self, rank: int) -> dict[str, str]:
         """What a rank's environment needs: gloo on eth0, the rendezvous at rank 0."""
         return {"MASTER_ADDR": self.address(0), "GLOO_SOCKET_IFNAME": IFNAME, "MS_LAYOUT_NETNS": self.namespace(rank)}
+
+    def node_env(self) -> dict[str, str]:
+        """What a process started in a node's namespace needs besides its launcher's variables."""
+        return {"GLOO_SOCKET_IFNAME": IFNAME}
+
+    def exec_argv(self, node: int, argv: Sequence[str]) -> list[str]:
+        """`argv` run inside the namespace of `node` (``ip netns exec``; needs the network up)."""
+        self._check_node(node)
+        return ["ip", "netns", "exec", self.namespace(node), *argv]
+
+    def msrun_argv(
+        self,
+        node: int,
+        script: str | os.PathLike,
+        args: Sequence[str] = (),
+        *,
+        local_workers: int = 1,
+        port: int = 8118,
+        log_dir: str | os.PathLike = "msrun_log",
+        cluster_timeout: int = 600,
+    ) -> list[str]:
+        """MindSpore's ``msrun`` for `node` of a job with one node per namespace: ``local_workers``
+        workers here, ``nranks * local_workers`` in all, the scheduler at node 0's address."""
+        if isinstance(local_workers, bool) or not isinstance(local_workers, int) or local_workers < 1:
+            raise CommError(f"local_workers = {local_workers!r}; a node runs at least 1 worker")
+        if isinstance(port, bool) or not isinstance(port, int) or not 1024 <= port <= 65534:
+            raise CommError(f"port = {port!r}; the scheduler port is 1024..65534 (gloo's store uses port + 1)")
+        msrun = [
+            "msrun", f"--worker_num={self.nranks * local_workers}", f"--local_worker_num={local_workers}",
+            f"--master_addr={self.address(0)}", f"--master_port={port}", f"--node_rank={node}",
+            f"--log_dir={os.fspath(log_dir)}", "--join=True", f"--cluster_time_out={int(cluster_timeout)}",
+            os.fspath(script), *args,
+        ]  # fmt: skip
+        return self.exec_argv(node, msrun)
+
+    def sent_bytes(self, node: int) -> int:
+        """Bytes `node` has sent over its shaped link so far (tc's counter on its eth0)."""
+        self._check_node(node)
+        done = subprocess.run(
+            ["ip", "netns", "exec", self.namespace(node), "tc", "-s", "qdisc", "show", "dev", IFNAME],
+            capture_output=True,
+            text=True,
+        )
+        m = re.search(r"Sent (\d+) bytes", done.stdout)
+        if done.returncode != 0 or m is None:
+            raise CommError(f"no tc counter for node {node}: {done.stderr.strip() or done.stdout.strip()}")
+        return int(m.group(1))
+
+    def _check_node(self, node: int) -> None:
+        if not self.up:
+            raise CommError(f"{self!r} is not up (enter it first)")
+        if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < self.nranks:
+            raise CommError(f"node = {node!r}; this network has nodes 0..{self.nranks - 1}")
 
     def __enter__(self) -> ShapedNetwork:
         ok, why = available()

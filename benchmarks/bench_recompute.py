@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+import _recompute_compiled as compiled
 import numpy as np
 from _common import machine_info, write_result
 
@@ -40,6 +41,10 @@ LAYERS = 4
 FULL_SIZES = ((128, 4, 2, 256), (256, 4, 2, 512), (512, 8, 4, 1024))
 QUICK_SIZES = ((128, 4, 2, 256),)
 SHAPED_SIZE = (256, 4, 2, 512)  # the size run again over the shaped link
+# compiled rows (ms_recompute.runtime.CompiledTPStack): MLP width 4x hidden; the larger runs shaped too
+COMPILED_SIZES = ((256, 4, 2, 1024), (512, 8, 4, 2048))
+QUICK_COMPILED_SIZES = ((256, 4, 2, 1024),)
+COMPILED_SHAPED_SIZE = (512, 8, 4, 2048)
 BATCH, SEQ = 4, 128
 MODES = ("sequential", "paired")
 # memory check: 8 single-device Llama layers, hidden 256, batch 4 x 256, fresh process per plan
@@ -126,13 +131,17 @@ def _size(group, size, warm: int, reps: int, keep_trace: bool) -> dict:
     return out
 
 
-def _bench(group, sizes, warm: int, reps: int, trace_size: int) -> list[dict]:
+def _bench(group, sizes, compiled_sizes, warm: int, reps: int, trace_size: int) -> dict:
     import mindspore as ms
     from mindspore import device_context
 
     ms.set_device("CPU")
     device_context.cpu.op_tuning.threads_num(1)  # one compute thread per rank: 2 ranks on 2 cores, gloo beside them
-    return [_size(group, size, warm, reps, i == trace_size) for i, size in enumerate(sizes)]
+    pynative = [_size(group, size, warm, reps, i == trace_size) for i, size in enumerate(sizes)]
+    last = len(compiled_sizes) - 1
+    runs = [compiled.measure(group, s, LAYERS, BATCH, SEQ, warm, reps, i == last) for i, s in enumerate(compiled_sizes)]
+    allreduce = [_allreduce_ms(group, BATCH * SEQ * s[0], reps=5) for s in compiled_sizes]
+    return {"pynative": pynative, "compiled": runs, "compiled_allreduce_ms": allreduce}
 
 
 def _rss_mib() -> tuple[float, float]:
@@ -202,25 +211,44 @@ def _memory(group, spec: str) -> dict:
     }
 
 
-def _shaped_rate(rows: list[dict], share: float) -> tuple[str, dict]:
+def _shaped_rate(rows: list[dict], share: float, hidden: int) -> tuple[str, dict]:
     """The link rate at which one layer's all-reduce takes `share` of its loopback recompute."""
     from ms_layout.comm.netns import rate_for
 
-    row = next(r for r in rows if r["hidden"] == SHAPED_SIZE[0])
+    row = next(r for r in rows if r["hidden"] == hidden)
     layer_s = row["recompute_ms_sequential"] / 1e3 / LAYERS
     nbytes = BATCH * SEQ * row["hidden"] * 4
     return rate_for(nbytes, share * layer_s), {"layer_recompute_ms": round(layer_s * 1e3, 1), "bytes": nbytes}
 
 
-def _run_shaped(rate: str, warm: int, reps: int) -> list | str:
-    """The TP comparison at SHAPED_SIZE over links shaped to `rate`, or why it cannot run here."""
+def _run_shaped(rate: str, sizes, compiled_sizes, warm: int, reps: int) -> list | str:
+    """The TP comparison at the given sizes over links shaped to `rate`, or why it cannot run here."""
     from ms_layout.comm.netns import ShapedNetwork, available
 
     ok, why = available()
     if not ok:
         return why
+    args = (list(sizes), list(compiled_sizes), warm, reps, 0)
     with ShapedNetwork(NPROCS, rate=rate) as net:
-        return run_local(_bench, NPROCS, backend="gloo", args=([SHAPED_SIZE], warm, reps, 0), timeout=3000, network=net)
+        return run_local(_bench, NPROCS, backend="gloo", args=args, timeout=3000, network=net)
+
+
+def _shaped(kind: str, rows: list[dict], args, size, warm: int, reps: int) -> tuple[dict, list[dict], list]:
+    """One shaped-link run of the PyNative or the compiled rows: (link info, rows, every rank's results)."""
+    rate, basis = _shaped_rate(rows, args.share, size[0]) if args.rate == "auto" else (args.rate, {})
+    info = {"rate": rate, "share_asked": args.share if args.rate == "auto" else None, **basis}
+    pynative = kind == "pynative"
+    got = _run_shaped(rate, [size] if pynative else [], [] if pynative else [size], warm, reps)
+    if isinstance(got, str):
+        info["skipped"] = got
+        print(f"shaped link: skipped ({got})")
+        return info, [], []
+    if pynative:
+        out = _rows([size], got)
+    else:
+        out = compiled.rows([size], got[0]["compiled"], LAYERS, BATCH * SEQ, got[0]["compiled_allreduce_ms"])
+    _print(out, f"{kind}, over a shaped link ({rate} per direction, network namespaces)")
+    return info, out, got
 
 
 def _rows(sizes, results) -> list[dict]:
@@ -229,7 +257,7 @@ def _rows(sizes, results) -> list[dict]:
     least disturbed (timeit's reasoning), the median is shown beside it. ``comm_bound_%`` is the most
     any overlap could save: the recompute's all-reduces, timed alone, over the sequential minimum."""
     rows = []
-    for size, r in zip(sizes, results[0]):
+    for size, r in zip(sizes, results[0]["pynative"]):
         hidden = size[0]
         seq, pair = r["sequential"], r["paired"]
         rows.append(
@@ -253,17 +281,27 @@ def _rows(sizes, results) -> list[dict]:
     return rows
 
 
-def _summary(rows: list[dict], shaped_rows: list[dict], shaped: dict) -> dict:
-    """Headline ratios: paired / sequential recompute part at hidden 256, loopback and shaped."""
+def _summary(rows, shaped_rows, shaped, compiled_rows, compiled_shaped_rows, compiled_shaped) -> dict:
+    """Headline ratios, paired / sequential recompute part: compiled (the training path) at hidden
+    512 and PyNative at hidden 256, each on loopback and over its shaped link."""
     plain = next((r for r in rows if r["hidden"] == SHAPED_SIZE[0]), rows[-1])
+    cplain = next((r for r in compiled_rows if r["hidden"] == COMPILED_SHAPED_SIZE[0]), compiled_rows[-1])
     out = {
-        "paired_over_sequential_plain": plain["paired/sequential"],
-        "comm_share_plain_%": plain["comm_bound_%"],
-        "shaped_rate": shaped.get("rate"),
+        "paired_over_sequential_plain": cplain["paired/sequential"],
+        "backward_paired_over_sequential_plain": cplain["backward paired/sequential"],
+        "comm_share_plain_%": cplain["comm_bound_%"],
+        "shaped_rate": compiled_shaped.get("rate"),
+        "pynative_paired_over_sequential_plain": plain["paired/sequential"],
+        "pynative_shaped_rate": shaped.get("rate"),
     }
+    if compiled_shaped_rows:
+        r = compiled_shaped_rows[0]
+        out["paired_over_sequential_shaped"] = r["paired/sequential"]
+        out["backward_paired_over_sequential_shaped"] = r["backward paired/sequential"]
+        out["comm_share_shaped_%"] = r["comm_bound_%"]
     if shaped_rows:
-        out["paired_over_sequential_shaped"] = shaped_rows[0]["paired/sequential"]
-        out["comm_share_shaped_%"] = shaped_rows[0]["comm_bound_%"]
+        out["pynative_paired_over_sequential_shaped"] = shaped_rows[0]["paired/sequential"]
+        out["pynative_comm_share_shaped_%"] = shaped_rows[0]["comm_bound_%"]
     return out
 
 
@@ -299,7 +337,7 @@ def _first_two_layers(events: list[dict]) -> list[dict]:
     return out
 
 
-def _plot(trace: dict, path: Path) -> None:
+def _plot(trace: dict, path: Path, what: str = "PyNative") -> None:
     """Draw the measured steps of layers 3 and 2, sequential above paired, both ranks."""
     from ms_recompute.draw import draw_timeline
 
@@ -313,9 +351,10 @@ def _plot(trace: dict, path: Path) -> None:
         panels[captions[mode]] = [
             e for rank in ranks for e in _first_two_layers([x for x in trace[mode] if x["rank"] == rank])
         ]
+    link = f", link {trace['rate']}" if trace.get("rate") else ""
     title = (
-        f"Recompute of two TP Llama layers on 2 CPU ranks (gloo), hidden {trace['hidden']},"
-        f" {BATCH}x{SEQ} tokens: measured timestamps"
+        f"{what} recompute of two TP Llama layers on 2 CPU ranks (gloo), hidden {trace['hidden']},"
+        f" {BATCH}x{SEQ} tokens{link}: measured timestamps"
     )
     draw_timeline(panels, path, title)
 
@@ -324,56 +363,77 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one size, few repetitions (smoke test)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/recompute.json"))
-    parser.add_argument("--plot", type=Path, help="also draw the measured timeline of one pair (PNG)")
+    parser.add_argument(
+        "--plot", type=Path, help="also draw the measured timelines of one pair (PNG; -compiled beside)"
+    )
     parser.add_argument("--replot", action="store_true", help="only redraw --plot from the trace in --out")
     parser.add_argument("--rate", default="auto", help="shaped link rate (tc units: 50mbit), 'auto', or 'none'")
     parser.add_argument("--share", type=float, default=0.4, help="with --rate auto: all-reduce / layer recompute")
     args = parser.parse_args(argv)
+    compiled_plot = args.plot.with_name(f"{args.plot.stem}-compiled{args.plot.suffix}") if args.plot else None
     if args.replot:
-        _plot(json.loads(args.out.read_text())["trace"], args.plot)
+        saved = json.loads(args.out.read_text())
+        _plot(saved["trace"], args.plot)
+        if saved.get("compiled_trace"):
+            _plot(saved["compiled_trace"], compiled_plot, "Compiled")
         return 0
     sizes = list(QUICK_SIZES if args.quick else FULL_SIZES)
-    if args.rate == "auto" and SHAPED_SIZE not in sizes:
-        sizes.append(SHAPED_SIZE)
+    compiled_sizes = list(QUICK_COMPILED_SIZES if args.quick else COMPILED_SIZES)
+    if args.rate == "auto":
+        sizes += [SHAPED_SIZE] if SHAPED_SIZE not in sizes else []
+        compiled_sizes += [COMPILED_SHAPED_SIZE] if COMPILED_SHAPED_SIZE not in compiled_sizes else []
     warm, reps = (1, 2) if args.quick else (1, 5)
     trace_size = len(sizes) // 2
     start = time.perf_counter()
-    results = run_local(_bench, NPROCS, backend="gloo", args=(sizes, warm, reps, trace_size), timeout=3000)
+    args_local = (sizes, compiled_sizes, warm, reps, trace_size)
+    results = run_local(_bench, NPROCS, backend="gloo", args=args_local, timeout=3000)
     rows = _rows(sizes, results)
     title = f"recompute: {LAYERS} TP layers on {NPROCS} CPU ranks, recompute part of a backward (min over reps)"
-    _print(rows, title)
-    shaped_rows, shaped = [], {"rate": None}
+    _print(rows, "PyNative " + title)
+    first = results[0]
+    compiled_rows = compiled.rows(
+        compiled_sizes, first["compiled"], LAYERS, BATCH * SEQ, first["compiled_allreduce_ms"]
+    )
+    _print(compiled_rows, "compiled " + title)
+    shaped_rows, shaped, compiled_shaped_rows, compiled_shaped, got = [], {"rate": None}, [], {"rate": None}, []
     if args.rate != "none":
-        rate, basis = _shaped_rate(rows, args.share) if args.rate == "auto" else (args.rate, {})
-        shaped = {"rate": rate, "share_asked": args.share if args.rate == "auto" else None, **basis}
-        got = _run_shaped(rate, warm, reps)
-        if isinstance(got, str):
-            shaped["skipped"] = got
-            print(f"shaped link: skipped ({got})")
-        else:
-            shaped_rows = _rows([SHAPED_SIZE], got)
-            _print(shaped_rows, f"the same over a shaped link ({rate} per direction, network namespaces)")
+        shaped, shaped_rows, _ = _shaped("pynative", rows, args, SHAPED_SIZE, warm, reps)
+        compiled_shaped, compiled_shaped_rows, got = _shaped(
+            "compiled", compiled_rows, args, COMPILED_SHAPED_SIZE, warm, reps
+        )
     memory = [run_local(_memory, 1, backend="gloo", args=(spec,), timeout=1200)[0] for spec in MEMORY_PLANS]
     _print(memory, f"memory: {MEMORY_LAYERS} Llama layers, hidden 256, {MEMORY_BATCH}x{MEMORY_SEQ} tokens, fp32")
+    # the compiled pair's timeline: over the shaped link where it ran, else loopback's largest size
+    traced = got or results
     result = {
         "benchmark": "recompute",
         "title": f"paired vs sequential full recompute, {LAYERS} TP Llama layers on {NPROCS} CPU ranks (gloo)",
         "machine": machine_info("torch", "mindspore", ranks=NPROCS),
         "quick": args.quick,
         "wall_s": round(time.perf_counter() - start, 1),
-        "summary": _summary(rows, shaped_rows, shaped),
+        "summary": _summary(rows, shaped_rows, shaped, compiled_rows, compiled_shaped_rows, compiled_shaped),
         "rows": rows,
         "shaped": shaped,
         "shaped_rows": shaped_rows,
+        "compiled_rows": compiled_rows,
+        "compiled_shaped": compiled_shaped,
+        "compiled_shaped_rows": compiled_shaped_rows,
+        "compiled_orders": first["compiled"][-1]["orders"],
         "memory_rows": memory,
         "trace": {
             "hidden": sizes[trace_size][0],
-            **{m: [e for r in results for e in r[trace_size]["traces"][m]] for m in MODES},
+            **{m: [e for r in results for e in r["pynative"][trace_size]["traces"][m]] for m in MODES},
+        },
+        "compiled_trace": {
+            "hidden": (COMPILED_SHAPED_SIZE if got else compiled_sizes[-1])[0],
+            "rate": compiled_shaped.get("rate") if got else None,
+            **{m: [e for r in traced for e in r["compiled"][-1]["traces"][m]] for m in MODES},
         },
     }
     write_result(args.out, result, indent=1)
     if args.plot:
         _plot(result["trace"], args.plot)
+        _plot(result["compiled_trace"], compiled_plot, "Compiled")
     return 0
 
 

@@ -6,13 +6,15 @@ tensor-parallel layers whose recompute overlaps communication in pairs.
     applied.remove()
 
 ``checkpoint(fn, *args)`` recomputes a plain function; ``SavedTensorMeter`` counts the bytes the tape
-keeps; ``tp_model`` builds a tensor-parallel ms_models model over an ``ms_layout.comm`` group.
+keeps; ``tp_model`` builds a tensor-parallel ms_models model over an ``ms_layout.comm`` group;
+``CompiledTPStack`` trains its layers compiled, recompute paired under jit.
 """
 
 from __future__ import annotations
 
 from .apply import AppliedPlan, apply_plan
 from .checkpoint import AllReduce, Checkpoint, Runner, TraceEvent, checkpoint, run_sync
+from .compiled_tp import CompiledTPStack, TPLayerPasses
 from .meter import SavedTensorMeter
 from .tp import CopyToTP, TPDecoderLayer, tp_model
 
@@ -20,10 +22,12 @@ __all__ = [
     "AllReduce",
     "AppliedPlan",
     "Checkpoint",
+    "CompiledTPStack",
     "CopyToTP",
     "Runner",
     "SavedTensorMeter",
     "TPDecoderLayer",
+    "TPLayerPasses",
     "TraceEvent",
     "apply_plan",
     "checkpoint",

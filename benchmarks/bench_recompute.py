@@ -12,6 +12,9 @@ wait, compute); ``paired`` recomputes layers (0, 1) and (2, 3) together so each 
 in flight while its partner computes. The figure is the recompute part only: the time the runtime
 spends inside recomputes, summed over the step, slowest rank; minimum and median over repetitions.
 Also reported: the same all-reduce alone, and the time the recomputes spent blocked in ``wait``.
+These are the PyNative rows (the hooks: the debug path); the compiled rows (``_recompute_compiled``:
+ms_recompute.runtime.CompiledTPStack, one jit graph between collectives) are the training path and
+give the summary's headline ratios.
 A second table checks memory in fresh processes: what the tape keeps, and the resident set.
 
 On loopback communication is free, so the same comparison runs again (hidden 256) with the two

@@ -61,10 +61,10 @@ def measure(group, size, layers: int, batch: int, seq: int, warm: int, reps: int
         for name in names if rep % 2 == 0 else names[::-1]:
             stack = stacks[name]
             group.barrier()
-            stack.forward(*inputs)
+            _, kept = stack.forward(*inputs)
             group.barrier()
             start = time.perf_counter()
-            dx, _ = stack.backward(dout)
+            dx, _ = stack.backward(kept, dout)
             dx.asnumpy()
             backward_s = time.perf_counter() - start
             waits = sum(e.end - e.start for e in stack.events if e.op == "wait" and e.start >= start)

@@ -30,6 +30,7 @@ def _rank(group, jit):
     import mindspore as ms
 
     import ms_models
+    from ms_recompute.errors import RecomputeError
     from ms_recompute.runtime import CompiledTPStack, tp_model
 
     ms.set_device("CPU")
@@ -56,8 +57,9 @@ def _rank(group, jit):
         "paired": dict(recompute=True, paired=True, overlap=True),
     }.items():
         stack = CompiledTPStack(shards, group, jit=jit, **kwargs)
-        out = stack.forward(x, cos, sin, allowed).asnumpy()
-        dx, grads = stack.backward(dout)
+        out, kept = stack.forward(x, cos, sin, allowed)
+        out = out.asnumpy()
+        dx, grads = stack.backward(kept, dout)
         runs[name] = {
             "out": out,
             "dx": dx.asnumpy(),
@@ -65,6 +67,18 @@ def _rank(group, jit):
             "order": [str(s) for s in stack.order],
             "recompute_events": sum(e.op == "recompute" for e in stack.events),
         }
+    # two microbatches in flight (a pipeline's F, F, B, B): each backward uses its own forward's values
+    stack = CompiledTPStack(shards, group, jit=jit, recompute=True, paired=True)
+    _, first = stack.forward(x, cos, sin, allowed)
+    _, second = stack.forward(x * 2, cos, sin, allowed)
+    dx_first = stack.backward(first, dout)[0].asnumpy()
+    stack.backward(second, dout)
+    runs["two in flight"] = {"dx": dx_first}
+    try:
+        stack.backward(first, dout)
+        runs["reused"] = "accepted"
+    except RecomputeError as e:
+        runs["reused"] = str(e)
     return out_ref, reference, runs
 
 
@@ -83,6 +97,8 @@ def test_compiled_tp_recompute_on_two_ranks(run_ranks, jit):
         # the backward reaches layer 2 first (alone), then the pair (0, 1) in its ping-pong order
         assert runs["sequential"]["order"] == "2c0 2>0 2<0 2c1 1c0 1>0 1<0 1c1 0c0 0>0 0<0 0c1".split()
         assert runs["paired"]["order"] == "2c0 2>0 2<0 2c1 1c0 1>0 0c0 0>0 1<0 1c1 0<0 0c1".split()
+        np.testing.assert_array_equal(runs["two in flight"]["dx"], runs["paired"]["dx"])
+        assert runs["reused"] == "this forward's values were already used by a backward"
         assert runs["sequential"]["recompute_events"] == 3 and runs["paired"]["recompute_events"] == 2
 
 
@@ -95,5 +111,5 @@ def test_misuse_is_refused_by_name():
         CompiledTPStack([], group=None)
     model = ms_models.from_config(ms_models.tiny_config("llama", num_hidden_layers=1), seed=0)
     stack = CompiledTPStack([model.model.layers[0]], group=None, jit=False)
-    with pytest.raises(RecomputeError, match="backward before forward"):
-        stack.backward(None)
+    with pytest.raises(RecomputeError, match="needs what this stack's forward kept, got NoneType"):
+        stack.backward(None, None)

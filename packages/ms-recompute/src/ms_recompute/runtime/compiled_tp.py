@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mindspore as ms
@@ -110,6 +111,20 @@ class _Pending:
         return ms.Tensor.from_numpy(self.buf)
 
 
+@dataclass
+class Kept:
+    """What one forward of a :class:`CompiledTPStack` keeps for its backward."""
+
+    rope: tuple
+    """(cos, sin, allowed) of that forward."""
+    inputs: list
+    """Each layer's input where it is recomputed (None once recomputed, or without recompute)."""
+    values: list
+    """Each layer's kept values (None until recomputed, with recompute)."""
+    used: bool = False
+    """Whether a backward consumed it."""
+
+
 class CompiledTPStack:
     """Forward and backward of a stack of TP decoder-layer shards (``tp_model``'s ``layer.layer``
     cells) on one rank of ``group``, compiled, with recompute paired or not."""
@@ -142,9 +157,6 @@ class CompiledTPStack:
         """The timed steps of the last forward and backward (``op``: compute, issue, wait, recompute)."""
         self.recompute_s = 0.0
         """Seconds spent inside recomputes during the last backward."""
-        self._inputs: list[ms.Tensor | None] = []
-        self._saved: list[tuple | None] = []
-        self._pending: dict[int, Any] = {}
 
     def weights(self) -> list[list[ms.Parameter]]:
         """Each layer's parameters, in the order :meth:`backward` returns their gradients."""
@@ -154,60 +166,63 @@ class CompiledTPStack:
         ]
 
     # ------------------------------------------------------------ forward
-    def forward(self, x: ms.Tensor, cos: ms.Tensor, sin: ms.Tensor, allowed: ms.Tensor) -> ms.Tensor:
-        """The stack's output; keeps each layer's input (recompute) or its values."""
-        self.events, self._rope = [], (cos, sin, allowed)
-        self._inputs, self._saved = [], []
+    def forward(self, x: ms.Tensor, cos: ms.Tensor, sin: ms.Tensor, allowed: ms.Tensor) -> tuple[ms.Tensor, Kept]:
+        """The stack's output and what its backward needs: each layer's input (recompute) or its
+        values. Several forwards may be kept at once (a pipeline's microbatches), each its own ``Kept``."""
+        self.events = []
+        kept = Kept((cos, sin, allowed), [], [])
         for i, fns in enumerate(self._fns):
             a, s1 = self._timed(i, "compute", 0, fns["attn_forward"], x, cos, sin, allowed)
             a_sum = _Pending(self.group, a).result()
             h, m, s2 = self._timed(i, "compute", 1, fns["mlp_forward"], x, a_sum)
             out = ms.Tensor.from_numpy(h.asnumpy() + _Pending(self.group, m).result().asnumpy())
-            self._inputs.append(x if self.recompute else None)
-            self._saved.append(None if self.recompute else (s1, s2))
+            kept.inputs.append(x if self.recompute else None)
+            kept.values.append(None if self.recompute else (s1, s2))
             x = out
-        return x
+        return x, kept
 
     # ------------------------------------------------------------ recompute
-    def _recompute(self, layer: int) -> None:
+    def _recompute(self, kept: Kept, layer: int) -> None:
         group = self.groups[layer]
-        layers = [i for i in group.layers if self._saved[i] is None]
+        layers = [i for i in group.layers if kept.values[i] is None]
         if set(layers) != set(group.layers):  # a partner already done: this layer alone
             group = pair_layers([layer], comms=1, overlap=False)[0]
         check_order(group, 1)
         start = time.perf_counter()
         state: dict[int, dict] = {i: {} for i in group.layers}
-        cos, sin, allowed = self._rope
+        cos, sin, allowed = kept.rope
         for step in group.order:
             i, st, fns = step.layer, state[step.layer], self._fns[step.layer]
             self.order.append(step)
             if step.op is Op.COMPUTE and step.index == 0:
-                st["a"], st["s1"] = self._timed(
-                    i, "compute", 0, fns["attn_forward"], self._inputs[i], cos, sin, allowed
-                )
+                st["a"], st["s1"] = self._timed(i, "compute", 0, fns["attn_forward"], kept.inputs[i], cos, sin, allowed)
             elif step.op is Op.ISSUE:
                 st["pending"] = self._timed(i, "issue", 0, _Pending, self.group, st["a"])
             elif step.op is Op.WAIT:
                 st["a_sum"] = self._timed(i, "wait", 0, st["pending"].result)
             else:
-                _, _, s2 = self._timed(i, "compute", 1, fns["mlp_forward"], self._inputs[i], st["a_sum"])
-                self._saved[i], self._inputs[i] = (st["s1"], s2), None
+                _, _, s2 = self._timed(i, "compute", 1, fns["mlp_forward"], kept.inputs[i], st["a_sum"])
+                kept.values[i], kept.inputs[i] = (st["s1"], s2), None
         self.recompute_s += time.perf_counter() - start
         self.events.append(TraceEvent(min(group.layers), "recompute", len(group.layers), start, time.perf_counter()))
 
     # ------------------------------------------------------------ backward
-    def backward(self, g: ms.Tensor) -> tuple[ms.Tensor, list[list[np.ndarray]]]:
-        """The input gradient and every layer's weight gradients (in :meth:`weights` order)."""
-        if len(self._saved) != len(self.layers):
-            raise RecomputeError("backward before forward: run forward first")
+    def backward(self, kept: Kept, g: ms.Tensor) -> tuple[ms.Tensor, list[list[np.ndarray]]]:
+        """The input gradient and every layer's weight gradients (in :meth:`weights` order), from
+        what :meth:`forward` kept (used up: a ``Kept`` serves one backward)."""
+        if not isinstance(kept, Kept) or len(kept.values) != len(self.layers):
+            raise RecomputeError(f"backward needs what this stack's forward kept, got {type(kept).__name__}")
+        if kept.used:
+            raise RecomputeError("this forward's values were already used by a backward")
+        kept.used = True
         self.order, self.recompute_s = [], 0.0
-        cos, sin, _ = self._rope
+        cos, sin, _ = kept.rope
         grads: list[list[np.ndarray]] = [[] for _ in self.layers]
         for i in reversed(range(len(self.layers))):
-            if self._saved[i] is None:
-                self._recompute(i)
-            fns, (s1, s2) = self._fns[i], self._saved[i]
-            self._saved[i] = None
+            if kept.values[i] is None:
+                self._recompute(kept, i)
+            fns, (s1, s2) = self._fns[i], kept.values[i]
+            kept.values[i] = None
             dh2_part, w_mlp = self._timed(i, "compute", 2, fns["mlp_backward"], s2, g)
             pending = self._timed(i, "issue", 1, _Pending, self.group, dh2_part)
             mlp_dw = self._weight_grads(i, 3, fns["mlp_weight_grads"], w_mlp, early=self.overlap)
@@ -248,4 +263,4 @@ def _sync(out: Any) -> None:
         first.asnumpy()
 
 
-__all__ = ["CompiledTPStack", "TPLayerPasses"]
+__all__ = ["CompiledTPStack", "Kept", "TPLayerPasses"]

@@ -22,7 +22,9 @@ PLANS = {
 }
 
 
-def _stack_inputs(size, layers: int, batch: int, seq: int, group):
+def tp_stack(size, layers: int, batch: int, seq: int, group):
+    """This rank's TP copy of a Llama stack of `size` = (hidden, heads, kv heads, MLP width), and a
+    fixed input (x, cos, sin, allowed) and output gradient of batch x seq tokens."""
     import mindspore as ms
 
     import ms_models
@@ -44,7 +46,7 @@ def _stack_inputs(size, layers: int, batch: int, seq: int, group):
     dout = ms.Tensor(rng.normal(size=(batch, seq, hidden)).astype(np.float32))
     cos, sin = model.model.rotary_emb(ms.Tensor(np.tile(np.arange(seq, dtype=np.int32), (batch, 1))))
     allowed = ms.Tensor(np.tril(np.ones((seq, seq), bool))[None, None])
-    return [layer.layer for layer in model.model.layers], (x, cos, sin, allowed), dout
+    return model, (x, cos, sin, allowed), dout
 
 
 def measure(group, size, layers: int, batch: int, seq: int, warm: int, reps: int, keep_trace: bool) -> dict:
@@ -52,7 +54,8 @@ def measure(group, size, layers: int, batch: int, seq: int, warm: int, reps: int
     rank; the executed recompute order of the paired plan; optionally the last repetition's events."""
     from ms_recompute.runtime import CompiledTPStack
 
-    shards, inputs, dout = _stack_inputs(size, layers, batch, seq, group)
+    model, inputs, dout = tp_stack(size, layers, batch, seq, group)
+    shards = [layer.layer for layer in model.model.layers]
     stacks = {name: CompiledTPStack(shards, group, **kwargs) for name, kwargs in PLANS.items()}
     measured = {name: [] for name in PLANS}
     traces, orders = {}, {}

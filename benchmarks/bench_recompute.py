@@ -67,28 +67,12 @@ def _allreduce_ms(group, n: int, reps: int) -> float:
 def _size(group, size, warm: int, reps: int, keep_trace: bool) -> dict:
     import mindspore as ms
 
-    import ms_models
     from ms_recompute import RecomputePlan
-    from ms_recompute.runtime import apply_plan, tp_model
+    from ms_recompute.runtime import apply_plan
 
-    hidden, heads, kv, inter = size
-    config = ms_models.tiny_config(
-        "llama",
-        num_hidden_layers=LAYERS,
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        intermediate_size=inter,
-        head_dim=hidden // heads,
-    )
-    model, _ = tp_model(ms_models.from_config(config, seed=0), group)
+    model, (x, cos, sin, allowed), dout = compiled.tp_stack(size, LAYERS, BATCH, SEQ, group)
     layers = model.model.layers
     weights = [p for layer in layers for p in layer.trainable_params()]
-    rng = np.random.default_rng(0)
-    x = ms.Tensor(rng.normal(size=(BATCH, SEQ, hidden)).astype(np.float32))
-    dout = ms.Tensor(rng.normal(size=(BATCH, SEQ, hidden)).astype(np.float32))
-    cos, sin = model.model.rotary_emb(ms.Tensor(np.tile(np.arange(SEQ, dtype=np.int32), (BATCH, 1))))
-    allowed = ms.Tensor(np.tril(np.ones((SEQ, SEQ), bool))[None, None])
 
     def block(x):
         for layer in layers:
@@ -127,7 +111,7 @@ def _size(group, size, warm: int, reps: int, keep_trace: bool) -> dict:
         arr = np.array(measured[mode], dtype=np.float64)
         group.all_reduce(arr, op="max")  # the slowest rank decides a step
         out[mode] = {"median": np.median(arr, axis=0).tolist(), "min": arr.min(axis=0).tolist()}
-    out["allreduce_ms"] = _allreduce_ms(group, BATCH * SEQ * hidden, reps=5)
+    out["allreduce_ms"] = _allreduce_ms(group, BATCH * SEQ * size[0], reps=5)
     out["traces"] = traces
     return out
 

@@ -89,6 +89,25 @@ def measure(group, size, layers: int, batch: int, seq: int, warm: int, reps: int
     return out
 
 
+def recompute_columns(hidden: int, tokens: int, layers: int, ar_ms: float, seq: dict, pair: dict) -> dict:
+    """The columns every recompute row has (PyNative and compiled): the all-reduce, the recompute
+    part sequential vs paired (min, median) and the time blocked in wait."""
+    return {
+        "hidden": hidden,
+        "tokens": tokens,
+        "allreduce_MB": round(tokens * hidden * 4 / 2**20, 2),
+        "allreduce_ms": round(ar_ms, 2),
+        "recompute_ms_sequential": round(seq["min"][0] * 1e3, 1),
+        "recompute_ms_paired": round(pair["min"][0] * 1e3, 1),
+        "paired/sequential": round(pair["min"][0] / seq["min"][0], 3),
+        "comm_bound_%": round(100 * layers * ar_ms / (seq["min"][0] * 1e3), 1),
+        "median_ms_sequential": round(seq["median"][0] * 1e3, 1),
+        "median_ms_paired": round(pair["median"][0] * 1e3, 1),
+        "blocked_ms_sequential": round(seq["median"][2] * 1e3, 1),
+        "blocked_ms_paired": round(pair["median"][2] * 1e3, 1),
+    }
+
+
 def rows(sizes, results, layers: int, tokens: int, allreduce_ms: list[float]) -> list[dict]:
     """Per size: recompute part and backward, sequential vs paired (min over repetitions), with the
     no-recompute backward beside them; ``comm_bound_%``: the recompute's all-reduces timed alone over
@@ -98,18 +117,7 @@ def rows(sizes, results, layers: int, tokens: int, allreduce_ms: list[float]) ->
         seq, pair, none = r["sequential"], r["paired"], r["none"]
         out.append(
             {
-                "hidden": size[0],
-                "tokens": tokens,
-                "allreduce_MB": round(tokens * size[0] * 4 / 2**20, 2),
-                "allreduce_ms": round(ar_ms, 2),
-                "recompute_ms_sequential": round(seq["min"][0] * 1e3, 1),
-                "recompute_ms_paired": round(pair["min"][0] * 1e3, 1),
-                "paired/sequential": round(pair["min"][0] / seq["min"][0], 3),
-                "comm_bound_%": round(100 * layers * ar_ms / (seq["min"][0] * 1e3), 1),
-                "median_ms_sequential": round(seq["median"][0] * 1e3, 1),
-                "median_ms_paired": round(pair["median"][0] * 1e3, 1),
-                "blocked_ms_sequential": round(seq["median"][2] * 1e3, 1),
-                "blocked_ms_paired": round(pair["median"][2] * 1e3, 1),
+                **recompute_columns(size[0], tokens, layers, ar_ms, seq, pair),
                 "backward_ms_none": round(none["min"][1] * 1e3, 1),
                 "backward_ms_sequential": round(seq["min"][1] * 1e3, 1),
                 "backward_ms_paired": round(pair["min"][1] * 1e3, 1),

@@ -180,18 +180,7 @@ def _rows(sizes, results) -> list[dict]:
         seq, pair = r["sequential"], r["paired"]
         rows.append(
             {
-                "hidden": hidden,
-                "tokens": BATCH * SEQ,
-                "allreduce_MB": round(BATCH * SEQ * hidden * 4 / 2**20, 2),
-                "allreduce_ms": round(r["allreduce_ms"], 2),
-                "recompute_ms_sequential": round(seq["min"][0] * 1e3, 1),
-                "recompute_ms_paired": round(pair["min"][0] * 1e3, 1),
-                "paired/sequential": round(pair["min"][0] / seq["min"][0], 3),
-                "comm_bound_%": round(100 * LAYERS * r["allreduce_ms"] / (seq["min"][0] * 1e3), 1),
-                "median_ms_sequential": round(seq["median"][0] * 1e3, 1),
-                "median_ms_paired": round(pair["median"][0] * 1e3, 1),
-                "blocked_ms_sequential": round(seq["median"][2] * 1e3, 1),
-                "blocked_ms_paired": round(pair["median"][2] * 1e3, 1),
+                **compiled.recompute_columns(hidden, BATCH * SEQ, LAYERS, r["allreduce_ms"], seq, pair),
                 "step_ms_sequential": round(seq["min"][1] * 1e3, 1),
                 "step_ms_paired": round(pair["min"][1] * 1e3, 1),
             }

@@ -49,7 +49,8 @@ class TPLayerPasses(nn.Cell):
         self.attn, self.mlp = sublayer_passes(shard_layer.self_attn), sublayer_passes(shard_layer.mlp)
 
     def weights(self) -> list:
-        return [self.norm1.weight, *self.attn.weights(), self.norm2.weight, *self.mlp.weights()]
+        """The layer's parameters in the order :meth:`CompiledTPStack.backward` gives their gradients."""
+        return [self.norm1.weight, self.norm2.weight, *self.attn.weights(), *self.mlp.weights()]
 
     def attn_forward(self, x, cos, sin, allowed):
         h1, n1, r1 = P.rms_norm(x, self.norm1.weight, self.norm1.eps)
@@ -160,10 +161,7 @@ class CompiledTPStack:
 
     def weights(self) -> list[list[ms.Parameter]]:
         """Each layer's parameters, in the order :meth:`backward` returns their gradients."""
-        return [
-            [layer.norm1.weight, layer.norm2.weight, *layer.attn.weights(), *layer.mlp.weights()]
-            for layer in self.layers
-        ]
+        return [layer.weights() for layer in self.layers]
 
     # ------------------------------------------------------------ forward
     def forward(self, x: ms.Tensor, cos: ms.Tensor, sin: ms.Tensor, allowed: ms.Tensor) -> tuple[ms.Tensor, Kept]:

@@ -31,6 +31,25 @@ def attend(q, k, v, allowed, scale: float):
     return out.transpose(0, 3, 1, 2, 4).reshape(n, sq, hq * dv)
 
 
+_scores = ops.BatchMatMul(transpose_b=True)
+_weighted = ops.BatchMatMul()
+
+
+def attend_head_major(q, k, v, allowed, scale: float):
+    """attend() with head-major keys and values: k [Hkv, N, Sk, d], v [Hkv, N, Sk, dv] (as a flat
+    paged cache gathers them) -> [N, Sq, Hq * dv]. The batched matmuls read k and v where they lie;
+    only the queries and the output (Sk times smaller than k and v in a decode step) are moved."""
+    n, sq, hq, d = q.shape
+    hkv, sk, dv = k.shape[0], k.shape[2], v.shape[-1]
+    groups = hq // hkv
+    q = q.reshape(n, sq, hkv, groups, d).transpose(2, 0, 3, 1, 4).reshape(hkv, n, groups * sq, d)
+    scores = _scores(q.astype(mstype.float32), k.astype(mstype.float32)) * scale
+    scores = scores.reshape(hkv, n, groups, sq, sk)
+    probs = attention_probs(scores, allowed.expand_dims(0)).astype(v.dtype).reshape(hkv, n, groups * sq, sk)
+    out = _weighted(probs, v).reshape(hkv, n, groups, sq, dv)
+    return out.transpose(1, 3, 0, 2, 4).reshape(n, sq, hq * dv)
+
+
 class Attention(nn.Cell):
     """q/k/v/o projections (HF names), RoPE, softmax attention; num_key_value_heads groups of queries."""
 
@@ -83,12 +102,17 @@ class Attention(nn.Cell):
     def forward_paged(self, x, cos, sin, cache, meta: PagedMetadata):
         """Inference over a flat token batch: x [T, hidden]; cache = (k_cache, v_cache), each
         [num_blocks, block_size, kv_heads, head_dim] (or slot-major [num_blocks * block_size, kv_heads,
-        head_dim]), updated in place with this batch's keys/values."""
+        head_dim]) or flat, head-major [kv_heads * slots, head_dim] (allocate_kv_caches(flat=True)),
+        updated in place with this batch's keys/values."""
         q, k, v = self._qkv(x, cos, sin)
         k_cache, v_cache = cache
-        flat = k_cache.ndim == 3  # slot-major [slots, kv_heads, head_dim] (allocate_kv_caches(flat=True))
-        write_cache(k_cache, k, meta, flat)
-        write_cache(v_cache, v, meta, flat)
-        k_ctx, v_ctx = gather_context(k_cache, meta, flat), gather_context(v_cache, meta, flat)
-        out = attend(to_padded(q, meta), k_ctx, v_ctx, allowed_mask(meta), self.scale)
+        write_cache(k_cache, k, meta, k_cache.ndim == 2)
+        write_cache(v_cache, v, meta, v_cache.ndim == 2)
+        if k_cache.ndim == 2:
+            heads = self.num_kv_heads
+            k_ctx, v_ctx = gather_context(k_cache, meta, True, heads), gather_context(v_cache, meta, True, heads)
+            out = attend_head_major(to_padded(q, meta), k_ctx, v_ctx, allowed_mask(meta), self.scale)
+        else:
+            k_ctx, v_ctx = gather_context(k_cache, meta), gather_context(v_cache, meta)
+            out = attend(to_padded(q, meta), k_ctx, v_ctx, allowed_mask(meta), self.scale)
         return self.o_proj(from_padded(out, meta))

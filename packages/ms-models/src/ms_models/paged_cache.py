@@ -157,17 +157,21 @@ def allowed_mask(meta) -> Tensor:
 
 def write_cache(cache: Tensor, values: Tensor, meta: PagedMetadata, flat: bool = False):
     """cache[block, offset] = values[row] for every written token, in place (functionally for a
-    Parameter, so that it also persists from a compiled graph). `flat`: the cache is slot-major,
-    [num_blocks * block_size, ...] (see allocate_kv_caches). Returns the write, for ops.depend."""
+    Parameter, so that it also persists from a compiled graph). `flat`: the cache is head-major and
+    slot-major, [heads * slots, ...] (see allocate_kv_caches), for values [T, heads, d] or [T, d]
+    (one head: MLA's latent). Returns the write, for ops.depend."""
     write_rows = _field(meta, 1)
     if not write_rows.shape[0]:
         return cache
     rows = ops.gather(values, write_rows, 0)
     if flat:
-        slots = _field(meta, 6)
+        index = _field(meta, 6)
+        if rows.ndim == 3:  # [W, heads, d] -> [heads, W, d] at rows h * slots + slot
+            index = _head_index(index, rows.shape[1], cache.shape[0])
+            rows = rows.transpose(1, 0, 2)
         if isinstance(cache, Parameter):
-            return ops.scatter_update(cache, slots, rows.astype(cache.dtype))
-        cache[slots] = rows.astype(cache.dtype)
+            return ops.scatter_update(cache, index, rows.astype(cache.dtype))
+        cache[index] = rows.astype(cache.dtype)
         return cache
     index = _field(meta, 0)
     if isinstance(cache, Parameter):
@@ -176,9 +180,18 @@ def write_cache(cache: Tensor, values: Tensor, meta: PagedMetadata, flat: bool =
     return cache
 
 
-def gather_context(cache: Tensor, meta: PagedMetadata, flat: bool = False) -> Tensor:
-    """[N, C, ...]: each sequence's cached entries in order, through its block table."""
+def _head_index(slots: Tensor, heads: int, rows: int) -> Tensor:
+    """[heads, *slots.shape] rows of a head-major flat cache of `rows` rows: h * (rows // heads) + slot."""
+    offsets = ops.arange(0, rows, rows // heads, dtype=mstype.int32)
+    return offsets.reshape((heads,) + (1,) * slots.ndim) + slots.expand_dims(0)
+
+
+def gather_context(cache: Tensor, meta: PagedMetadata, flat: bool = False, heads: int = 0) -> Tensor:
+    """Each sequence's cached entries in order, through its block table: [N, C, ...], or for a flat
+    cache of `heads` > 0 heads [heads, N, C, d] (head-major, as attend_head_major takes them)."""
     if flat:
+        if heads:
+            return ops.gather(cache, _head_index(_field(meta, 2), heads, cache.shape[0]), 0)
         return ops.gather(cache, _field(meta, 2), 0)
     flat_view = cache.reshape((cache.shape[0] * cache.shape[1],) + cache.shape[2:])
     return ops.gather(flat_view, _field(meta, 2), 0)
@@ -197,16 +210,19 @@ def from_padded(x: Tensor, meta: PagedMetadata) -> Tensor:
 def allocate_kv_caches(model, num_blocks: int, block_size: int, dtype=mstype.float32, flat: bool = False) -> list:
     """Zeroed caches for every attention layer of `model` (the shapes come from model.kv_cache_shapes).
 
-    `flat=True` makes them slot-major, [num_blocks * block_size, ...]: under `mindspore.jit` on CPU
-    a write into a [blocks, block_size, ...] Parameter (ScatterNdUpdate) or a read through its
-    reshape copied the whole cache per call (16 MiB: +1.6 ms each), while ScatterUpdate / Gather on
-    the slot axis of a flat Parameter did not (docs/mindspore-cpu.md §12). The layers tell the two
-    layouts apart by rank."""
+    `flat=True` makes them slot-major and head-major, [heads * num_blocks * block_size, d] for a
+    [blocks, block_size, heads, d] cache (row h * slots + slot), [num_blocks * block_size, d] for a
+    headless one (MLA's latent). Under `mindspore.jit` on CPU a write into a [blocks, block_size, ...]
+    Parameter (ScatterNdUpdate) or a read through its reshape copied the whole cache per call
+    (16 MiB: +1.6 ms each), while ScatterUpdate / Gather on the first axis of a 2-D Parameter did
+    not; and the head-major rows gather straight into the [heads, N, C, d] operand of a batched
+    matmul, where [N, C, heads, d] needed a transposed copy of every context (docs/mindspore-cpu.md
+    §12). The layers tell the layouts apart by rank."""
     if num_blocks <= 0 or block_size <= 0:
         raise ModelError(f"num_blocks={num_blocks}, block_size={block_size}; both must be positive")
     shapes = model.kv_cache_shapes(num_blocks, block_size)
     if flat:
-        shapes = [tuple((s[0] * s[1],) + tuple(s[2:]) for s in layer) for layer in shapes]
+        shapes = [tuple((int(np.prod(s[:-1])), s[-1]) for s in layer) for layer in shapes]
     return [zeros_cache(layer, dtype) for layer in shapes]
 
 

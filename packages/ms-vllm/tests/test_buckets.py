@@ -15,8 +15,10 @@ def test_default_config_is_powers_of_two_up_to_the_limits():
     assert c.decode_sizes == (1, 2, 4, 8, 16, 32, 48)
     assert c.prefill_sizes == (16, 32, 64, 128, 256)
     assert c.context_sizes == (128, 256)  # 250 rounded up to whole blocks
-    # prefill graphs only where the chunk fits its context: 4 of the 5 sizes under 128, all 5 under 256
-    assert len(c.buckets()) == 7 * 2 + 4 + 5
+    # prefill graphs only where the chunk fits its context: 4 of the 5 sizes under 128, all 5 under 256,
+    # each alone and (but 256) batched to 256 tokens: 16 x 16, 8 x 32, 4 x 64, 2 x 128
+    assert len(c.buckets()) == 7 * 2 + 2 * 4 + (2 * 4 + 1)
+    assert Bucket("prefill", 32, 128, 8) in c.buckets() and Bucket("prefill", 32, 128, 8).tokens == 256
 
 
 def test_bad_configs_name_the_bad_value():
@@ -26,6 +28,8 @@ def test_bad_configs_name_the_bad_value():
         BucketConfig(decode_sizes=(1,), prefill_sizes=(64,), context_sizes=(32,))
     with pytest.raises(BucketError, match="unknown compile options"):
         BucketConfig.from_dict({"decode": [1]}, CONFIG)
+    with pytest.raises(BucketError, match="batch_tokens=-1"):
+        BucketConfig.from_dict({"batch_tokens": -1}, CONFIG)
 
 
 def test_bucket_choice_rounds_up():
@@ -50,6 +54,28 @@ def test_plan_splits_decodes_and_chunks():
     assert by_req[3].bucket is None and "draft" in by_req[3].reason
     assert by_req[7].bucket is None and "40 tokens" in by_req[7].reason
     assert sorted(i for p in parts for i in p.requests) == list(range(8))
+
+
+def test_plan_batches_short_prefills_by_size():
+    config = BucketConfig(decode_sizes=(1, 2), prefill_sizes=(8, 16), context_sizes=(32, 96), batch_tokens=32)
+    # six 5-8 token prompts (size 8: 4 per graph), three 12-16 token ones (size 16: 2 per graph), a decode
+    q_lens = [5, 12, 8, 6, 16, 7, 1, 8, 13]
+    seq_lens = [5, 12, 8, 6, 16, 7, 40, 8, 13]
+    parts = plan_step(q_lens, seq_lens, [1] * 9, config)
+    by = {tuple(p.requests): p.bucket for p in parts}
+    assert by[(6,)] == Bucket("decode", 1, 96)
+    assert by[(0, 2, 3, 5)] == Bucket("prefill", 8, 32, 4)
+    assert by[(7,)] == Bucket("prefill", 8, 32)  # 1 of 4 left: alone, not padded with 3 empty requests
+    assert by[(1, 4)] == Bucket("prefill", 16, 32, 2)
+    assert by[(8,)] == Bucket("prefill", 16, 32, 2)  # 1 of 2: half full, so batched
+    assert sorted(i for p in parts for i in p.requests) == list(range(9))
+    # a batched part pads to n requests of Q tokens; a chunk longer than Q is refused
+    p = pad_part([1] * 13, list(range(5)) + list(range(8)), list(range(13)), [[0], [1]], [5, 8], [0, 5, 13],
+                 [4, 12], Bucket("prefill", 8, 32, 4), 7, 16)  # fmt: skip
+    assert len(p.input_ids) == 32 and p.query_start_loc.tolist() == [0, 5, 13, 13, 13]
+    assert p.logits_rows.tolist() == [4, 12, 0, 0] and (p.slot_mapping[13:] // 16 == 7).all()
+    with pytest.raises(BucketError, match="a chunk of 9 tokens"):
+        pad_part([1] * 9, list(range(9)), list(range(9)), [[0]], [9], [0, 9], [8], Bucket("prefill", 8, 32, 4), 7, 16)
 
 
 def test_padding_writes_only_the_scratch_block():

@@ -12,7 +12,8 @@ from conftest import ARCHS, close_llm, make_llm, token_prompts
 pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch]
 
 # Small buckets keep start-up short (each graph compiles in 1-3 s here); max_model_len is 96.
-BUCKETS = {"decode_sizes": [1, 2, 4], "prefill_sizes": [8, 16], "context_sizes": [32, 96]}
+# Chunks of up to 8 tokens also run two at a time (batch_tokens 16).
+BUCKETS = {"decode_sizes": [1, 2, 4], "prefill_sizes": [8, 16], "context_sizes": [32, 96], "batch_tokens": 16}
 SHARED = [0, *range(40, 52)]
 PROMPTS = [
     SHARED + [7, 9],
@@ -54,9 +55,10 @@ def test_compiled_greedy_matches_reference(arch, tiny_dirs, reference):
     assert [list(o.outputs[0].token_ids) for o in outs] == [reference(arch, p, 6) for p in PROMPTS]
     assert list(follow.outputs[0].token_ids) == reference(arch, FOLLOW_UP, 6)
     assert follow.num_cached_tokens == 12
-    # 3 decode sizes x 2 contexts + 2 prefill sizes x 2 contexts, each compiled once at start-up
-    assert len(stats["compile_s"]) == 10 and all(t > 0 for t in stats["compile_s"].values())
+    # 3 decode sizes x 2 contexts + (2 prefill sizes + 8 x 2 batched) x 2 contexts, compiled at start-up
+    assert len(stats["compile_s"]) == 12 and all(t > 0 for t in stats["compile_s"].values())
     assert stats["eager_calls"] == 0 and stats["compiled_calls"] >= stats["steps"]
+    assert stats["batched_prefill_calls"] > 0
 
 
 def test_shapes_outside_the_buckets_run_eagerly_and_are_counted(tiny_dirs, reference):

@@ -4,10 +4,13 @@ A `mindspore.jit` graph has fixed input shapes, so the runner compiles one graph
 vLLM captures one CUDA graph per batch size:
 
 - a decode bucket (B, C): B single-token requests whose contexts fit in C positions;
-- a prefill bucket (T, C): one request's chunk of up to T tokens, its context up to C (T <= C).
+- a prefill bucket (Q, C, n): n requests' chunks of up to Q tokens each, their contexts up to C
+  (Q <= C): n = 1, and with `batch_tokens` also n = batch_tokens // Q, so that short prompts share
+  one graph (a GEMM over n * Q rows instead of n GEMMs over Q).
 
 `plan_step` splits a step's flat batch into parts: the single-token requests (in pieces of at most
-the largest decode size) and each longer chunk on its own. Requests never read each other's cache
+the largest decode size), and the longer chunks, grouped by the prefill size they round up to, n at
+a time (a remainder of fewer than n / 2 runs one by one). Requests never read each other's cache
 blocks within a step, so running the parts one after another is the same computation. A part
 that fits no bucket (a chunk longer than the largest prefill size, draft verification with several
 sampled rows) runs eagerly and is counted.
@@ -46,12 +49,16 @@ class BucketConfig:
     """Token counts T of the prefill graphs (one request's chunk)."""
     context_sizes: tuple[int, ...]
     """Context lengths C (positions attended) the graphs are built for."""
+    batch_tokens: int = 0
+    """Padded tokens of a batched prefill graph (batch_tokens // Q chunks of up to Q); 0: none."""
 
     def __post_init__(self) -> None:
         for name in ("decode_sizes", "prefill_sizes", "context_sizes"):
             sizes = getattr(self, name)
             if not sizes or any(int(s) <= 0 for s in sizes) or list(sizes) != sorted(set(sizes)):
                 raise BucketError(f"{name}={sizes!r}: expected positive sizes in increasing order")
+        if int(self.batch_tokens) < 0:
+            raise BucketError(f"batch_tokens={self.batch_tokens!r}: expected 0 (no batched prefill) or more")
         if self.prefill_sizes[0] > self.context_sizes[-1]:
             raise BucketError(
                 f"prefill size {self.prefill_sizes[0]} exceeds the largest context size {self.context_sizes[-1]}"
@@ -60,38 +67,49 @@ class BucketConfig:
     @classmethod
     def default(cls, max_num_seqs: int, max_model_len: int, block_size: int) -> BucketConfig:
         """Powers of two: decode 1..min(max_num_seqs, 64), prefill 16..max_model_len, context
-        128..max_model_len (rounded up to whole blocks)."""
+        128..max_model_len (rounded up to whole blocks); batched prefills of 256 tokens."""
         ctx_max = -(-max_model_len // block_size) * block_size
         return cls(
             decode_sizes=_pow2_upto(1, min(max_num_seqs, 64)),
             prefill_sizes=_pow2_upto(min(16, ctx_max), ctx_max),
             context_sizes=_pow2_upto(min(128, ctx_max), ctx_max),
+            batch_tokens=256,
         )
 
     @classmethod
     def from_dict(cls, spec: dict, fallback: BucketConfig) -> BucketConfig:
-        """additional_config["compile"] = {"decode_sizes": [...], "prefill_sizes": [...], "context_sizes": [...]}."""
-        unknown = set(spec) - {"decode_sizes", "prefill_sizes", "context_sizes"}
+        """additional_config["compile"] = {"decode_sizes": [...], "prefill_sizes": [...], "context_sizes": [...],
+        "batch_tokens": n}."""
+        unknown = set(spec) - {"decode_sizes", "prefill_sizes", "context_sizes", "batch_tokens"}
         if unknown:
-            raise BucketError(f"unknown compile options {sorted(unknown)}; expected decode/prefill/context_sizes")
-        kw = {k: tuple(int(v) for v in spec.get(k, getattr(fallback, k))) for k in ("decode_sizes", "prefill_sizes")}
-        kw["context_sizes"] = tuple(int(v) for v in spec.get("context_sizes", fallback.context_sizes))
-        return cls(**kw)
+            raise BucketError(
+                f"unknown compile options {sorted(unknown)}; expected decode/prefill/context_sizes, batch_tokens"
+            )
+        sizes = ("decode_sizes", "prefill_sizes", "context_sizes")
+        kw = {k: tuple(int(v) for v in spec.get(k, getattr(fallback, k))) for k in sizes}
+        return cls(**kw, batch_tokens=int(spec.get("batch_tokens", fallback.batch_tokens)))
+
+    def prefill_batch(self, query: int) -> int:
+        """Requests of a batched prefill graph of chunks up to `query` tokens (1: no batching)."""
+        return max(1, int(self.batch_tokens) // query)
 
     def buckets(self) -> list[Bucket]:
         """Every bucket compiled at start-up: decode (B, C) for all pairs, prefill (T, C) with T <= C."""
         out = [Bucket("decode", b, c) for c in self.context_sizes for b in self.decode_sizes]
-        out += [Bucket("prefill", t, c) for c in self.context_sizes for t in self.prefill_sizes if t <= c]
+        for c in self.context_sizes:
+            for t in (t for t in self.prefill_sizes if t <= c):
+                out += [Bucket("prefill", t, c, n) for n in sorted({1, self.prefill_batch(t)})]
         return out
 
     def decode_bucket(self, n_seqs: int, context: int) -> Bucket | None:
         b, c = _ceil_in(n_seqs, self.decode_sizes), _ceil_in(context, self.context_sizes)
         return None if b is None or c is None else Bucket("decode", b, c)
 
-    def prefill_bucket(self, n_tokens: int, context: int) -> Bucket | None:
+    def prefill_bucket(self, n_tokens: int, context: int, batch: int = 1) -> Bucket | None:
+        """The bucket of `batch` (1 or prefill_batch) chunks of up to n_tokens, contexts up to `context`."""
         c = _ceil_in(context, self.context_sizes)
         t = _ceil_in(n_tokens, [s for s in self.prefill_sizes if c is not None and s <= c])
-        return None if t is None or c is None else Bucket("prefill", t, c)
+        return None if t is None or c is None else Bucket("prefill", t, c, batch)
 
 
 def _ceil_in(n: int, sizes) -> int | None:
@@ -108,19 +126,21 @@ class Bucket:
     kind: str
     """"decode" or "prefill"."""
     size: int
-    """Requests B (decode) or tokens T (prefill)."""
+    """Requests B (decode) or tokens per request Q (prefill)."""
     context: int
     """Context positions C."""
+    batch: int = 1
+    """Requests n of a prefill bucket (1 for decode)."""
 
     @property
     def tokens(self) -> int:
         """Tokens of the padded flat batch."""
-        return self.size
+        return self.size * self.batch
 
     @property
     def seqs(self) -> int:
         """Requests of the padded batch."""
-        return self.size if self.kind == "decode" else 1
+        return self.size if self.kind == "decode" else self.batch
 
     @property
     def query(self) -> int:
@@ -133,7 +153,9 @@ class Bucket:
         return self.seqs
 
     def __str__(self) -> str:
-        return f"{self.kind}[{'B' if self.kind == 'decode' else 'T'}={self.size},C={self.context}]"
+        if self.kind == "decode":
+            return f"decode[B={self.size},C={self.context}]"
+        return f"prefill[T={self.size},C={self.context}" + (f",n={self.batch}]" if self.batch > 1 else "]")
 
 
 @dataclass
@@ -159,6 +181,7 @@ def plan_step(q_lens, seq_lens, n_sample_rows, config: BucketConfig) -> list[Par
         bucket = config.decode_bucket(len(idx), int(seq_lens[idx].max()))
         parts.append(Part(idx, bucket, "" if bucket else f"context {int(seq_lens[idx].max())} > largest bucket"))
     decodes = set(single)
+    groups: dict[tuple[int, int], list[int]] = {}  # (prefill size, context size) -> requests
     for i in range(len(q_lens)):
         if i in decodes or q_lens[i] == 0:
             continue
@@ -166,8 +189,19 @@ def plan_step(q_lens, seq_lens, n_sample_rows, config: BucketConfig) -> list[Par
             parts.append(Part([i], None, "several sampled rows (draft verification)"))
             continue
         bucket = config.prefill_bucket(int(q_lens[i]), int(seq_lens[i]))
-        reason = "" if bucket else f"chunk of {int(q_lens[i])} tokens, context {int(seq_lens[i])}: no bucket"
-        parts.append(Part([i], bucket, reason))
+        if bucket is None:
+            reason = f"chunk of {int(q_lens[i])} tokens, context {int(seq_lens[i])}: no bucket"
+            parts.append(Part([i], None, reason))
+        else:
+            groups.setdefault((bucket.size, bucket.context), []).append(i)
+    for (size, context), idx in groups.items():
+        n = config.prefill_batch(size)
+        for k in range(0, len(idx), n):
+            chunk = idx[k : k + n]
+            if n > 1 and 2 * len(chunk) >= n:
+                parts.append(Part(chunk, Bucket("prefill", size, context, n)))
+            else:  # a small remainder: padding requests would cost as much as real ones
+                parts += [Part([i], Bucket("prefill", size, context)) for i in chunk]
     return parts
 
 
@@ -199,6 +233,8 @@ def pad_part(
     t, n = len(input_ids), len(seq_lens)
     if t > bucket.tokens or n > bucket.seqs or len(logits_rows) > bucket.rows:
         raise BucketError(f"{t} tokens / {n} requests / {len(logits_rows)} rows do not fit bucket {bucket}")
+    if n and int(np.max(np.diff(query_start_loc))) > bucket.query:
+        raise BucketError(f"a chunk of {int(np.max(np.diff(query_start_loc)))} tokens does not fit bucket {bucket}")
     if n and int(np.max(seq_lens)) > bucket.context:
         raise BucketError(f"context {int(np.max(seq_lens))} does not fit bucket {bucket}")
     if np.any(np.asarray(block_tables) == scratch_block):

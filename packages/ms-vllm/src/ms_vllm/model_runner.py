@@ -71,13 +71,15 @@ class MindSporeModelRunner:
             "drafts": 0,
             "accepted": 0,
             "compiled_calls": 0,
+            "batched_prefill_calls": 0,
             "eager_calls": 0,
             "eager_reasons": {},
             "model_s": 0.0,
             "step_s": 0.0,
         }
         """Counters since start: engine steps, model forward calls, tokens emitted, drafts verified/
-        accepted, compiled and eager model calls (with why each eager call had no bucket), and wall
+        accepted, compiled model calls (those of several prefill chunks apart) and eager ones (with why
+        each eager call had no bucket), and wall
         seconds inside model calls (logits to numpy included) and inside whole execute() calls."""
 
     # ------------------------------------------------------------------ KV cache
@@ -202,6 +204,7 @@ class MindSporeModelRunner:
             else:
                 self.stats["forwards"] += 1
                 self.stats["compiled_calls"] += 1
+                self.stats["batched_prefill_calls"] += part.bucket.kind == "prefill" and part.bucket.batch > 1
                 lg, h = self.compiled.run(sub, part.bucket)
                 lg = lg.asnumpy()
             for k, r in enumerate(sub.logits_indices):

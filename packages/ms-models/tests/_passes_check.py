@@ -25,7 +25,8 @@ def _angles(model, positions, segment_ids=None):
 
 
 def _run_passes(passes, args, bwd_args, g_seed=11):
-    """forward, backward_input and backward_weight, each compiled with ms.jit -> (y, g, dx, dws)."""
+    """forward, backward_input and backward_weight, each compiled with ms.jit, and backward_weight
+    again on the host (numpy kernels on the same pairs) -> (y, g, dx, dws, host_dws)."""
     import mindspore as ms
 
     def forward(*xs):
@@ -41,7 +42,9 @@ def _run_passes(passes, args, bwd_args, g_seed=11):
     g = _tensor(y.shape, g_seed)
     dx, pairs = ms.jit(backward_input)(saved, g, *bwd_args)
     dws = ms.jit(backward_weight)(pairs)
-    return y, g, dx, dws
+    from ms_models.passes import host_ops
+
+    return y, g, dx, dws, passes.backward_weight(host_ops.to_host(pairs), host_ops)
 
 
 def _check(passes, module, args, bwd_args, what):
@@ -53,15 +56,17 @@ def _check(passes, module, args, bwd_args, what):
     assert len({id(p) for p in weights}) == len(weights), f"{what}: a weight listed twice"
     module_ids = {id(p) for p in module.trainable_params()}
     assert {id(p) for p in weights} == module_ids, f"{what}: weights() is not the module's trainable set"
-    y, g, dx, dws = _run_passes(passes, args, bwd_args)
+    y, g, dx, dws, host_dws = _run_passes(passes, args, bwd_args)
     ref_y = module(*args)
     ref_dx, ref_dws = ms.grad(module, grad_position=0, weights=weights, sens_param=True)(*args, g)
-    assert len(dws) == len(weights), what
+    assert len(dws) == len(host_dws) == len(weights), what
     worst = 0.0
     pairs = [("output", y, ref_y), ("dx", dx, ref_dx)]
     pairs += [(f"d {p.name} {tuple(p.shape)}", a, b) for p, a, b in zip(weights, dws, ref_dws)]
+    pairs += [(f"host d {p.name} {tuple(p.shape)}", a, b) for p, a, b in zip(weights, host_dws, ref_dws)]
     for name, a, b in pairs:
-        a, b = a.asnumpy(), b.asnumpy()
+        a, b = np.asarray(a if isinstance(a, np.ndarray) else a.asnumpy()), b.asnumpy()
+        assert a.shape == b.shape, f"{what} {name}: shape {a.shape}, expected {b.shape}"
         assert np.abs(b).max() > 0, f"{what} {name}: the reference is all zero, the check would be empty"
         assert_close(a, b, RTOL, f"{what} {name}")
         worst = max(worst, float(np.abs(a - b).max() / np.abs(b).max()))

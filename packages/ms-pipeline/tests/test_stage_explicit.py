@@ -49,13 +49,18 @@ def _reference(blocks, inputs, labels):
     return {id(p): g.asnumpy() for p, g in zip(params, grads)}
 
 
-@pytest.mark.parametrize("recompute", [False, True, (False, True, False, True, False)])
-def test_compiled_passes_in_schedule_order_equal_ms_grad(blocks, recompute):
+@pytest.mark.parametrize(
+    "recompute, host_w",
+    [(False, None), (False, False), (True, None), ((False, True, False, True, False), True)],
+)
+def test_compiled_passes_in_schedule_order_equal_ms_grad(blocks, recompute, host_w):
     """F of every microbatch, then B in another order than F, W later in yet another: FIFO by
-    microbatch is the Stage's job, each pass takes its own microbatch's values."""
+    microbatch is the Stage's job, each pass takes its own microbatch's values. W in a compiled
+    graph or on the host (numpy on the kept pairs; the default on CPU) gives the same numbers."""
     inputs, labels = _data()
-    stage = Stage(0, blocks, first=True, last=True, jit=True, recompute=recompute)
+    stage = Stage(0, blocks, first=True, last=True, jit=True, recompute=recompute, host_w=host_w)
     assert stage.dw == "explicit"
+    assert stage.host_w is (host_w is not False)  # None: on, as MindSpore's device here is the CPU
     scale = ms.Tensor(1.0 / len(inputs), ms.float32)
     for mb in range(3):
         stage.forward(mb, inputs[mb], labels[mb])
@@ -111,6 +116,11 @@ def test_misuse_is_refused_by_name(blocks):
         Stage(0, [plain], first=False, last=False, dw="explicit")
     with pytest.raises(ScheduleError, match="recompute= needs the blocks' explicit passes"):
         Stage(0, [plain], first=False, last=False, jit=True, recompute=True)
+    with pytest.raises(ScheduleError, match="host_w=True needs the blocks' explicit passes"):
+        Stage(0, [plain], first=False, last=False, jit=True, host_w=True)
+    with pytest.raises(ScheduleError, match="host_w='yes' is not True, False or None"):
+        Stage(0, blocks, first=True, last=True, jit=True, host_w="yes")
+    assert not Stage(0, [plain], first=False, last=False, jit=True).host_w  # no passes: nothing to run
     stage = Stage(0, blocks, first=True, last=True, jit=True)
     inputs, labels = _data(1)
     with pytest.raises(ScheduleError, match="W of microbatch 0 runs before its B"):

@@ -155,7 +155,8 @@ def test_compile_cache_restart_loads_the_graphs(tiny_dirs, reference, tmp_path):
 
     script = tmp_path / "start.py"
     script.write_text(CACHE_SCRIPT)
-    buckets = {"decode_sizes": [1, 2], "prefill_sizes": [8], "context_sizes": [96], "cache_dir": str(tmp_path / "cc")}
+    buckets = {"decode_sizes": [1, 2], "prefill_sizes": [8], "context_sizes": [96], "batch_tokens": 16,
+               "cache_dir": str(tmp_path / "cc")}  # fmt: skip
     runs = []
     for _ in range(2):
         out = subprocess.run(
@@ -167,5 +168,5 @@ def test_compile_cache_restart_loads_the_graphs(tiny_dirs, reference, tmp_path):
         runs.append(json.loads(line[0][7:]))
     (cold_tokens, cold), (warm_tokens, warm) = runs
     assert cold_tokens == warm_tokens == reference("llama", [0, 5, 9, 33, 77], 6)
-    assert sorted(cold) == sorted(warm) and len(cold) == 3
+    assert sorted(cold) == sorted(warm) and len(cold) == 4  # 2 decode, prefill n=1 and n=2
     assert sum(warm.values()) < 0.5 * sum(cold.values()), (cold, warm)

@@ -6,7 +6,8 @@ needed now by the previous stage) and a weight half (W, which fills bubbles late
 the forward two or three times. These passes avoid that: the forward returns every value its
 backward needs, ``backward_input`` computes the input gradient and each weight's output gradient
 from them, and ``backward_weight`` turns the kept (input, output-gradient) pairs into weight
-gradients (``dW = g^T x``). All of it compiles under ``mindspore.jit``; each pass is checked
+gradients (``dW = g^T x``), with MindSpore's kernels (:mod:`.ops`, in a graph) or, on numpy
+pairs, numpy's (:mod:`.host_ops`, the host's BLAS). All of it compiles under ``mindspore.jit``; each pass is checked
 against ``ms.grad`` of the plain module in the tests.
 
 The pipeline blocks of ``ms_models.blocks`` return theirs from ``explicit_passes()``, which is what
@@ -15,7 +16,7 @@ The pipeline blocks of ``ms_models.blocks`` return theirs from ``explicit_passes
 
 from __future__ import annotations
 
-from . import ops
+from . import host_ops, ops
 from .dense import AttentionPasses, MLPPasses
 from .layer import (
     SUBLAYER_PASSES,
@@ -40,6 +41,7 @@ __all__ = [
     "MLAPasses",
     "MLPPasses",
     "MoEPasses",
+    "host_ops",
     "ops",
     "sublayer_passes",
 ]

@@ -7,7 +7,8 @@ methods, all jit-compilable:
 * ``backward_input(saved, g, ...) -> (dx, pairs)``: the input gradient, computed from ``saved``
   without re-running the forward, and for each weight what W needs (its input and output
   gradient);
-* ``backward_weight(pairs) -> grads``: the weight gradients, in the order of ``weights()``.
+* ``backward_weight(pairs, k=ops) -> grads``: the weight gradients, in the order of ``weights()``,
+  computed with the kernels ``k`` (:mod:`.ops` in a graph, :mod:`.host_ops` on numpy pairs).
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ def _linear_weights(cell) -> list:
     return [cell.weight] if cell.bias is None else [cell.weight, cell.bias]
 
 
-def _linear_grads(cell, x, g) -> tuple:
+def _linear_grads(cell, x, g, k=P) -> tuple:
     if cell.bias is None:
-        return (P.linear_dw(x, g),)
-    return (P.linear_dw(x, g), P.bias_dw(g))
+        return (k.linear_dw(x, g),)
+    return (k.linear_dw(x, g), k.bias_dw(g))
 
 
 class AttentionPasses(nn.Cell):
@@ -68,14 +69,14 @@ class AttentionPasses(nn.Cell):
         dh = P.linear_dx(dq, a.q_proj.weight) + P.linear_dx(dk, a.k_proj.weight) + P.linear_dx(dv, a.v_proj.weight)
         return dh, (h, o, dq, dk, dv, g)
 
-    def backward_weight(self, pairs):
+    def backward_weight(self, pairs, k=P):
         a = self.attn
         h, o, dq, dk, dv, g = pairs
         return (
-            _linear_grads(a.q_proj, h, dq)
-            + _linear_grads(a.k_proj, h, dk)
-            + _linear_grads(a.v_proj, h, dv)
-            + _linear_grads(a.o_proj, o, g)
+            _linear_grads(a.q_proj, h, dq, k)
+            + _linear_grads(a.k_proj, h, dk, k)
+            + _linear_grads(a.v_proj, h, dv, k)
+            + _linear_grads(a.o_proj, o, g, k)
         )
 
 
@@ -103,8 +104,8 @@ class MLPPasses(nn.Cell):
         dh = P.linear_dx(dgate, m.gate_proj.weight) + P.linear_dx(dup, m.up_proj.weight)
         return dh, (h, act, dgate, dup, g)
 
-    def backward_weight(self, pairs):
+    def backward_weight(self, pairs, k=P):
         m = self.mlp
         h, act, dgate, dup, g = pairs
-        gate_up = _linear_grads(m.gate_proj, h, dgate) + _linear_grads(m.up_proj, h, dup)
-        return gate_up + _linear_grads(m.down_proj, act, g)
+        gate_up = _linear_grads(m.gate_proj, h, dgate, k) + _linear_grads(m.up_proj, h, dup, k)
+        return gate_up + _linear_grads(m.down_proj, act, g, k)

@@ -12,6 +12,7 @@ import mindspore as ms
 from mindspore import nn, ops
 
 from ..errors import ModelError
+from . import host_ops
 from . import ops as P
 from .dense import AttentionPasses, MLPPasses
 
@@ -53,13 +54,13 @@ class DecoderLayerPasses(nn.Cell):
         dh1, w_attn = self.attn.backward_input(s_attn, g, cos, sin)
         return g + P.rms_norm_dx(dh1, self.norm1.weight, n1, r1), (n1, dh1, w_attn, n2, dh2, w_mlp)
 
-    def backward_weight(self, pairs):
+    def backward_weight(self, pairs, k=P):
         n1, dh1, w_attn, n2, dh2, w_mlp = pairs
         return (
-            (P.scale_dw(n1, dh1),)
-            + self.attn.backward_weight(w_attn)
-            + (P.scale_dw(n2, dh2),)
-            + self.mlp.backward_weight(w_mlp)
+            (k.scale_dw(n1, dh1),)
+            + self.attn.backward_weight(w_attn, k)
+            + (k.scale_dw(n2, dh2),)
+            + self.mlp.backward_weight(w_mlp, k)
         )
 
 
@@ -67,6 +68,7 @@ class EmbedBlockPasses(nn.Cell):
     """token ids [B, S] -> hidden; no input gradient (the input is data)."""
 
     has_input_grad = False
+    host_kernels = host_ops  # backward_weight(pairs, host_ops) runs on numpy pairs
 
     def __init__(self, block):
         super().__init__(auto_prefix=False)
@@ -82,9 +84,9 @@ class EmbedBlockPasses(nn.Cell):
     def backward_input(self, saved, g):
         return g, (saved[0], g)  # the first value is a placeholder: nothing flows into the data
 
-    def backward_weight(self, pairs):
+    def backward_weight(self, pairs, k=P):
         ids, g = pairs
-        return (P.embedding_dw(ids, g, self.vocab),)
+        return (k.embedding_dw(ids, g, self.vocab),)
 
 
 def _angles_and_mask(rotary, x):
@@ -99,6 +101,7 @@ class LayerBlockPasses(nn.Cell):
     """hidden -> hidden through one decoder layer, causal over the whole sequence."""
 
     has_input_grad = True
+    host_kernels = host_ops  # backward_weight(pairs, host_ops) runs on numpy pairs
 
     def __init__(self, block):
         super().__init__(auto_prefix=False)
@@ -116,14 +119,15 @@ class LayerBlockPasses(nn.Cell):
         cos, sin, _ = _angles_and_mask(self.rotary, g)
         return self.layer.backward_input(saved, g, cos, sin)
 
-    def backward_weight(self, pairs):
-        return self.layer.backward_weight(pairs)
+    def backward_weight(self, pairs, k=P):
+        return self.layer.backward_weight(pairs, k)
 
 
 class HeadBlockPasses(nn.Cell):
     """(hidden, labels) -> mean next-token cross-entropy through the final norm and LM head."""
 
     has_input_grad = True
+    host_kernels = host_ops  # backward_weight(pairs, host_ops) runs on numpy pairs
 
     def __init__(self, block):
         super().__init__(auto_prefix=False)
@@ -143,6 +147,6 @@ class HeadBlockPasses(nn.Cell):
         dh = P.linear_dx(dlogits, self.lm_head.weight).reshape(h.shape)
         return P.rms_norm_dx(dh, self.norm.weight, n, r), (n, dh, h, dlogits)
 
-    def backward_weight(self, pairs):
+    def backward_weight(self, pairs, k=P):
         n, dh, h, dlogits = pairs
-        return (P.scale_dw(n, dh), P.linear_dw(h, dlogits))
+        return (k.scale_dw(n, dh), k.linear_dw(h, dlogits))

@@ -95,20 +95,20 @@ class MLAPasses(nn.Cell):
             w_q = (dq,)
         return dh, (h, w_q, cy, cn, dcy, dkvb, dkv, o, g)
 
-    def backward_weight(self, pairs):
+    def backward_weight(self, pairs, k=P):
         a = self.attn
         h, w_q, cy, cn, dcy, dkvb, dkv, o, g = pairs
         if self.q_lora:
             qy, qn, dqy, dqa, dq = w_q
-            grads = _linear_grads(a.q_a_proj, h, dqa) + (P.scale_dw(qn, dqy),) + _linear_grads(a.q_b_proj, qy, dq)
+            grads = _linear_grads(a.q_a_proj, h, dqa, k) + (k.scale_dw(qn, dqy),) + _linear_grads(a.q_b_proj, qy, dq, k)
         else:
-            grads = _linear_grads(a.q_proj, h, w_q[0])
+            grads = _linear_grads(a.q_proj, h, w_q[0], k)
         return (
             grads
-            + _linear_grads(a.kv_a_proj_with_mqa, h, dkv)
-            + (P.scale_dw(cn, dcy),)
-            + _linear_grads(a.kv_b_proj, cy, dkvb)
-            + _linear_grads(a.o_proj, o, g)
+            + _linear_grads(a.kv_a_proj_with_mqa, h, dkv, k)
+            + (k.scale_dw(cn, dcy),)
+            + _linear_grads(a.kv_b_proj, cy, dkvb, k)
+            + _linear_grads(a.o_proj, o, g, k)
         )
 
 

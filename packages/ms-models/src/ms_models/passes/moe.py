@@ -115,16 +115,16 @@ class MoEPasses(nn.Cell):
         dxs, w_shared = self.shared.backward_input(s_shared, g)
         return dx + dxs, (pairs, w_shared)
 
-    def backward_weight(self, pairs):
+    def backward_weight(self, pairs, k=P):
         ex = self.experts
         (x, dlogits, dgate, dup, act_c, g_e), w_shared = pairs
         grads = (
-            P.linear_dw(x, dlogits),
-            P.linear_dw(x, dgate).reshape(ex.gate_proj.shape),
-            P.linear_dw(x, dup).reshape(ex.up_proj.shape),
-            P.stacked_linear_dw(act_c, g_e),
+            k.linear_dw(x, dlogits),
+            k.linear_dw(x, dgate).reshape(ex.gate_proj.shape),
+            k.linear_dw(x, dup).reshape(ex.up_proj.shape),
+            k.stacked_linear_dw(act_c, g_e),
         )
-        return grads if self.shared is None else grads + self.shared.backward_weight(w_shared)
+        return grads if self.shared is None else grads + self.shared.backward_weight(w_shared, k)
 
 
 __all__ = ["MoEPasses"]

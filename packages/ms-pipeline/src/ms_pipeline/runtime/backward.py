@@ -87,6 +87,9 @@ class _PassesCell(ms.nn.Cell):
         self.recompute = tuple(bool(r) for r in recompute)
         for p in self.get_parameters():
             p.name = names[id(p)]
+        kernels = {getattr(c, "host_kernels", None) for c in passes}
+        #: the numpy kernels (and ``to_host``) every block's W can run on, or None
+        self.host_kernels = kernels.pop() if len(kernels) == 1 else None
 
     def forward(self, x, labels=None):
         saved = ()
@@ -106,10 +109,13 @@ class _PassesCell(ms.nn.Cell):
             pairs = (p,) + pairs
         return g, pairs
 
-    def backward_weight(self, pairs):
+    def backward_weight(self, pairs, k=None):
+        """The weight gradients; ``k``: the blocks' own kernels (None, in a graph) or their
+        ``host_kernels`` on numpy pairs."""
         grads = ()
         for i in range(self.n):
-            grads = grads + self.passes[i].backward_weight(pairs[i])
+            passes = self.passes[i]
+            grads = grads + (passes.backward_weight(pairs[i]) if k is None else passes.backward_weight(pairs[i], k))
         return grads
 
     def backward_full(self, saved, g):
@@ -145,13 +151,20 @@ def hooked_for_recompute(blocks: Sequence[ms.nn.Cell]) -> list[str]:
 
 
 class ExplicitPasses:
-    """F keeps the values, B never re-runs the forward, W is the kept pairs' GEMMs."""
+    """F keeps the values, B never re-runs the forward, W is the kept pairs' GEMMs: compiled, or
+    with ``host_w`` in numpy on the pairs read in place (the host's BLAS, for CPU devices)."""
 
     name = "explicit"
 
-    def __init__(self, stage, cell: _PassesCell, fns: dict):
+    def __init__(self, stage, cell: _PassesCell, fns: dict, host_w: bool = False):
         self.stage = stage
         self.cell = cell
+        if host_w and cell.host_kernels is None:
+            names = [type(c).__name__ for c in cell.passes if getattr(c, "host_kernels", None) is None]
+            raise ScheduleError(
+                f"stage {stage.index}: host_w=True needs host_kernels on every block's passes, not on {names}"
+            )
+        self.host_w = bool(host_w)
         self.weights = [p for c in cell.passes for p in c.weights()]
         have, want = {id(p) for p in self.weights}, {id(p): p for p in stage.weights}
         missing = [p.name for i, p in want.items() if i not in have]
@@ -169,11 +182,12 @@ class ExplicitPasses:
         return self._fns[what]
 
     def _add(self, grads: Sequence[Any]) -> None:
+        grads = [g if isinstance(g, np.ndarray) else g.asnumpy() for g in grads]
         if self.acc is None:
-            self.acc = [g.asnumpy().copy() for g in grads]
+            self.acc = [np.array(g, np.float32) for g in grads]
         else:
             for a, g in zip(self.acc, grads):
-                a += g.asnumpy()
+                a += g
 
     def _values(self, saved) -> Any:
         values, saved.values = saved.values, None
@@ -191,7 +205,11 @@ class ExplicitPasses:
         return dx
 
     def backward_weight(self, saved) -> None:
-        self._add(self._fn("backward_weight")(saved.pairs))
+        if self.host_w:
+            k = self.cell.host_kernels
+            self._add(self.cell.backward_weight(k.to_host(saved.pairs), k))
+        else:
+            self._add(self._fn("backward_weight")(saved.pairs))
         saved.pairs = None
 
     def backward_full(self, saved, grad_out) -> Any:

@@ -74,7 +74,8 @@ class PipelineRuntime:
     (B without a forward re-run, W from the kept pairs), "stored" queues each linear layer's input
     and output gradient in B and multiplies them in W (PyNative), "recompute" runs ``ms.grad``
     twice; "auto" takes "explicit" under ``jit`` where the blocks have explicit passes. ``recompute[s]`` (True or
-    one flag per block of stage s) makes those blocks keep only their input from F to B."""
+    one flag per block of stage s) makes those blocks keep only their input from F to B.
+    ``host_w`` runs W's GEMMs in numpy on the kept pairs (see :class:`Stage`; None: on CPU)."""
 
     def __init__(
         self,
@@ -89,6 +90,7 @@ class PipelineRuntime:
         jit: bool = False,
         dw: str = "auto",
         recompute: Mapping[int, bool | Sequence[bool]] | None = None,
+        host_w: bool | None = None,
     ):
         if group.size != schedule.num_ranks:
             raise ScheduleError(
@@ -111,7 +113,16 @@ class PipelineRuntime:
             extra = sorted(set(recompute) - set(mine))
             raise ScheduleError(f"rank {self.rank}: recompute names stages {extra} that it does not hold")
         self.stages = {
-            s: Stage(s, blocks[s], first=s == 0, last=s == last, jit=jit, dw=dw, recompute=recompute.get(s, False))
+            s: Stage(
+                s,
+                blocks[s],
+                first=s == 0,
+                last=s == last,
+                jit=jit,
+                dw=dw,
+                recompute=recompute.get(s, False),
+                host_w=host_w,
+            )
             for s in mine
         }
         self._shape = activation_shape if callable(activation_shape) else (lambda s: tuple(activation_shape))

@@ -19,6 +19,11 @@ keep the construct-based modes, since explicit passes never call ``construct``.
 ``recompute=`` (explicit passes only; True for every block, or one flag per block) keeps only a
 block's input between F and B and runs its forward again right before its backward, inside B's
 compiled graph: activation recompute under ``jit``.
+``host_w=`` (explicit passes only) runs W's GEMMs in numpy on the kept pairs, read in place,
+instead of in a compiled graph: on CPU the host's BLAS did a stage's W in 20 ms where MindSpore's
+``MatMul`` took 42-85 ms (two d=256 Llama layers, one core), which is what lets B + W cost what
+one fused BW costs. None (the default) turns it on where MindSpore's device is the CPU and the
+blocks' passes name their ``host_kernels``; on Ascend W stays in the graph.
 
 Two pitfalls of the split are handled by construction: a weight used twice (inside one block,
 or by two blocks of the stage) gets every use, as gradients are accumulated per Parameter object;
@@ -81,6 +86,7 @@ class Stage:
         jit: bool = False,
         dw: str = "auto",
         recompute: bool | Sequence[bool] = False,
+        host_w: bool | None = None,
     ):
         if not blocks:
             raise ScheduleError(f"stage {index} has no blocks")
@@ -109,13 +115,20 @@ class Stage:
                 f"stage {index}: {hooked} carry saved-tensor hooks (ms-recompute in PyNative), which explicit "
                 "passes would skip: take the plan off and pass recompute= instead"
             )
+        if host_w not in (None, True, False):
+            raise ScheduleError(f"stage {index}: host_w={host_w!r} is not True, False or None")
+        if host_w and not use:
+            raise ScheduleError(f"stage {index}: host_w=True needs the blocks' explicit passes (dw='explicit')")
         if any(flags) and not use:
             raise ScheduleError(f"stage {index}: recompute= needs the blocks' explicit passes (dw='explicit')")
         if use:
             if flags not in explicit:
                 passes = [b.explicit_passes() for b in self.blocks]
                 explicit[flags] = (_PassesCell(passes, last, flags), {})
-            self.backward = ExplicitPasses(self, *explicit[flags])
+            cell, compiled = explicit[flags]
+            if host_w is None:
+                host_w = cell.host_kernels is not None and ms.get_context("device_target") == "CPU"
+            self.backward = ExplicitPasses(self, cell, compiled, host_w)
         elif dw == "stored" or (dw == "auto" and not jit):
             self.backward = self._stored(cell, fns)
         else:
@@ -124,6 +137,7 @@ class Stage:
                 fns.pop("checked", None)
             self.backward = RecomputeGrads(self, cell, fns)
         self.dw = self.backward.name
+        self.host_w = bool(getattr(self.backward, "host_w", False))  # W's GEMMs in numpy
         self.recompute = flags
         self._saved: dict[int, _Saved] = {}
 

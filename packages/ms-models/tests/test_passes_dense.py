@@ -95,7 +95,7 @@ def test_pipeline_block_passes(arch):
     (want,) = ms.grad(blocks[0], grad_position=None, weights=embed.weights(), sens_param=True)(ids, g)
     assert_close(y.asnumpy(), blocks[0](ids).asnumpy(), 0.0, "embedding output")
     assert_close(got.asnumpy(), want.asnumpy(), RTOL, "embedding table gradient")
-    (host,) = embed.backward_weight(host_ops.to_host(pairs), host_ops)  # a scatter-add in numpy
+    (host,) = embed.backward_weight(host_ops.to_host(pairs), host_ops)  # a sorted segment sum in numpy
     assert_close(host, want.asnumpy(), RTOL, "embedding table gradient on the host")
     # the head: (hidden, labels) -> loss, with ignored labels (-100) taking no part
     labels = ids.asnumpy().copy()

@@ -28,7 +28,7 @@ def _linear_weights(cell) -> list:
     return [cell.weight] if cell.bias is None else [cell.weight, cell.bias]
 
 
-def _linear_grads(cell, x, g, k=P) -> tuple:
+def _linear_grads(cell, x, g, k) -> tuple:
     if cell.bias is None:
         return (k.linear_dw(x, g),)
     return (k.linear_dw(x, g), k.bias_dw(g))

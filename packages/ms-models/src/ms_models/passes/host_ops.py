@@ -6,7 +6,7 @@ and the pairs as numpy arrays, the same method computes the same gradients with 
 
 Why: on CPU, MindSpore's ``MatMul`` on a W pass's stored pairs ran at 18-36 GFLOP per core-second
 (a stage of two d=256 Llama layers: 42-85 ms, varying with where its memory pool placed the
-pairs), while OpenBLAS through numpy did the same 14 GEMMs in 20-21 ms on the same arrays, read
+pairs), while OpenBLAS through numpy did the same 14 GEMMs in 20-24 ms on the same arrays, read
 in place (``Tensor.asnumpy()`` shares the CPU tensor's memory). The kernels are the textbook ones:
 ``dW = g^T x`` over every leading dimension, sums for biases and scales, a sorted segment sum for an
 embedding table.
@@ -27,7 +27,7 @@ def to_host(tree: Any) -> Any:
         return tuple(to_host(t) for t in tree)
     if tree is None or isinstance(tree, np.ndarray):
         return tree
-    if tree.dtype in (mstype.bfloat16,):
+    if tree.dtype == mstype.bfloat16:
         tree = tree.astype(mstype.float32)
     return tree.asnumpy()
 

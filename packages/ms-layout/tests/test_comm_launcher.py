@@ -140,3 +140,30 @@ def test_no_orphans_after_a_failure():
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(pid)
+
+
+def affinities(g):
+    """This rank's CPU set, and that of a thread it starts after the launcher pinned it."""
+    import threading
+
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
+    t.start()
+    t.join()
+    return os.sched_getaffinity(0), seen[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity (Linux)")
+def test_pin_cpus_gives_each_rank_one_cpu_of_the_launchers_set():
+    cpus = sorted(os.sched_getaffinity(0))
+    nprocs = len(cpus) + 1  # one more rank than CPUs: the last one wraps around to the first CPU
+    results = run_local(affinities, nprocs, backend="gloo", timeout=RUN_TIMEOUT_S, pin_cpus=True)
+    assert results == [({cpus[r % len(cpus)]},) * 2 for r in range(nprocs)]
+    unpinned = run_local(affinities, 2, backend="gloo", timeout=RUN_TIMEOUT_S)
+    assert unpinned == [(set(cpus), set(cpus))] * 2
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_pin_cpus_must_be_a_bool(bad):
+    with pytest.raises(CommError, match=f"pin_cpus must be True or False, got {bad!r}"):
+        run_local(barrier, 2, backend="gloo", pin_cpus=bad)

@@ -5,8 +5,8 @@ simulator's prediction from the measured costs.
         --microbatches 8] [--quick] --out benchmarks/results/pipeline.json
 
 One Llama-shaped decoder (ms-models, untied head) at a size where compute, not dispatch,
-dominates, trained for a few steps by four runtimes on the same 2 gloo ranks x 1 thread, steps
-alternated so that all see the same machine:
+dominates, trained for a few steps by four runtimes on the same 2 gloo ranks x 1 thread (rank r
+pinned to CPU r unless ``--no-pin``), steps alternated so that all see the same machine:
 
 * ms-pipeline 1F1B and ZBV, stages compiled with ``mindspore.jit`` on the models' explicit passes
   (F keeps what B needs, B never re-runs the forward, W is the kept pairs' GEMMs, BW both), and
@@ -324,7 +324,7 @@ def _run_shaped(args, rate):
     with ShapedNetwork(RANKS, rate=rate) as net:
         return run_local(
             _rank, RANKS, backend="gloo", args=(args, SHAPED, False), timeout=3000,
-            env={"OMP_NUM_THREADS": "1"}, network=net,
+            env={"OMP_NUM_THREADS": "1"}, network=net, pin_cpus=args.pin,
         )  # fmt: skip
 
 
@@ -345,6 +345,9 @@ def main(argv=None) -> int:
     parser.add_argument("--draw", metavar="DIR", help="also write PNG timelines of the fastest measured steps")
     parser.add_argument("--rate", default="auto", help="shaped link rate (tc units: 200mbit), 'auto', or 'none'")
     parser.add_argument("--share", type=float, default=0.4, help="with --rate auto: one transfer / one ZBV stage's F")
+    parser.add_argument(
+        "--no-pin", dest="pin", action="store_false", help="leave the ranks unpinned (default: rank r on CPU r)"
+    )
     args = parser.parse_args(argv)
     if not 0 < args.share < 10:
         parser.error(f"--share must be within (0, 10), got {args.share}")
@@ -358,7 +361,9 @@ def main(argv=None) -> int:
     from ms_layout.comm import run_local
 
     start = time.perf_counter()
-    results = run_local(_rank, RANKS, backend="gloo", args=(args,), timeout=3000, env={"OMP_NUM_THREADS": "1"})
+    results = run_local(
+        _rank, RANKS, backend="gloo", args=(args,), timeout=3000, env={"OMP_NUM_THREADS": "1"}, pin_cpus=args.pin
+    )
     print(f"ran in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     rows, costs = _rows(args, results, MS, TORCH)
     by = {r["schedule"]: r for r in rows}
@@ -391,7 +396,7 @@ def main(argv=None) -> int:
     if shaped_rows:
         where = f"the same over a shaped link ({shaped['rate']} per direction, network namespaces)"
         print_table([{k: f"{v:.4g}" if isinstance(v, float) else v for k, v in r.items()} for r in shaped_rows], where)
-    machine = machine_info("mindspore", "torch", ranks=RANKS, threads_per_rank=1, model=model)
+    machine = machine_info("mindspore", "torch", ranks=RANKS, threads_per_rank=1, model=model, pinned=args.pin)
     summary = {
         "zbv_over_1f1b": by["zbv"]["step_s"] / by["1f1b"]["step_s"],
         "zbv_fused_over_1f1b": by["zbv+fused"]["step_s"] / by["1f1b"]["step_s"],
@@ -400,6 +405,7 @@ def main(argv=None) -> int:
         "ms_zbv_over_torch_zbv_step": by["zbv"]["step_s"] / by["torch zbv"]["step_s"],
         **_pair_summary(by, ""),
         "load_avg_1m": machine["load_avg_1m"],
+        "pinned": args.pin,
     }
     if shaped_rows:
         sby = {r["schedule"]: r for r in shaped_rows}

@@ -178,9 +178,9 @@ def run_local(
     """Run ``fn(group, *args, **kwargs)`` on ``nprocs`` local ranks; return the results in rank
     order. ``fn`` must be picklable (a module-level function). ``env`` adds variables to every
     rank; ``network`` (an entered :class:`ms_layout.comm.netns.ShapedNetwork` of at least
-    ``nprocs`` ranks) runs each rank in its own namespace over the shaped links; ``pin_cpus`` pins
-rank r to CPU r of this process's CPU set (modulo its size; see the module docstring). Raises
-    RankFailedError for the first failing rank, CommError on timeout."""
+    ``nprocs`` ranks) runs each rank in its own namespace over the shaped links; ``pin_cpus``
+    pins rank r to CPU r of this process's CPU set (modulo its size; see the module docstring).
+    Raises RankFailedError for the first failing rank, CommError on timeout."""
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise CommArgumentError(f"nprocs must be a positive int, got {nprocs!r}")
     if backend not in ("auto", "gloo", "mindspore"):

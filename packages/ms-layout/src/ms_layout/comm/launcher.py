@@ -90,7 +90,7 @@ def _rank_main(
 ) -> None:
     """Entry point of one rank (runs in the child)."""
     if rank_env.get("MS_LAYOUT_CPUS"):  # before any import starts a thread pool
-        os.sched_setaffinity(0, {int(c) for c in rank_env["MS_LAYOUT_CPUS"].split(",")})
+        os.sched_setaffinity(0, {int(rank_env["MS_LAYOUT_CPUS"])})
     if rank_env.get("MS_LAYOUT_NETNS"):  # a shaped network: into this rank's namespace first
         from ms_layout.comm.netns import enter
 

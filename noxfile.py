@@ -81,6 +81,15 @@ def _preinstall(session: nox.Session, package: str) -> None:
         session.install(*args)
 
 
+def _workers(package: str | None = None) -> list[str]:
+    """pytest-xdist arguments for a suite of long, mostly single-threaded tests (compiles, engine
+    start-ups): `[tool.ms-toolkit] test-workers = 2` in a package's pyproject.toml. `loadfile` keeps
+    each file's tests (and its module fixtures: a server, a demo run) on one worker."""
+    tool = _pyproject(package).get("tool", {}).get("ms-toolkit", {}) if package else {"test-workers": 2}
+    workers = int(tool.get("test-workers", 1))
+    return ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
+
+
 def _install_package(session: nox.Session, package: str, extra: str) -> None:
     for dep in _local_deps(package, extra):
         _preinstall(session, dep)
@@ -112,7 +121,10 @@ def tests(session: nox.Session, variant: str) -> None:
             "-c",
             "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) for m in ('torch', 'mindspore')))",
         )
-    session.run("pytest", str(PACKAGES_DIR / package / "tests"), *args, *session.posargs)
+    workers = _workers(package)
+    if workers:
+        session.install("pytest-xdist>=3.5")
+    session.run("pytest", str(PACKAGES_DIR / package / "tests"), *args, *workers, *session.posargs)
 
 
 @nox.session
@@ -120,8 +132,8 @@ def integration(session: nox.Session) -> None:
     """Tests that compose several packages and processes (msrun launches, multi-rank runs)."""
     for package in _packages():
         _install_package(session, package, "test")
-    session.install("psutil")  # to collect the workers msrun leaves behind
-    session.run("pytest", str(ROOT / "integration_tests"), *session.posargs)
+    session.install("psutil", "pytest-xdist>=3.5")  # psutil: to collect the workers msrun leaves behind
+    session.run("pytest", str(ROOT / "integration_tests"), *_workers(), *session.posargs)
 
 
 @nox.session

@@ -3,6 +3,7 @@ malformed requests get 4xx and the server keeps serving."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -15,6 +16,7 @@ import pytest
 pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch]
 
 PROMPT = [0, 33, 34, 35, 36, 37]
+FEW_BUCKETS = {"decode_sizes": [1, 2], "prefill_sizes": [16], "context_sizes": [96], "batch_tokens": 16}
 
 
 def _free_port() -> int:
@@ -46,6 +48,9 @@ def server(tiny_dirs, tmp_path_factory):
         "4",
         "--kv-cache-memory-bytes",
         str(4 << 20),
+        # Compiled, on three buckets (7 s of compiling) instead of the default set.
+        "--additional-config",
+        json.dumps({"compile": FEW_BUCKETS}),
     ]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1")
     with open(log, "w") as out:

@@ -16,8 +16,9 @@ pinned to CPU r unless ``--no-pin``), steps alternated so that all see the same 
   own dI/dW split), same ranks, threads and cut.
 
 Reported per variant: the median step (slowest rank), and for ms-pipeline the run's own trace
-(bubble, median F/B/W per stage), the simulator's makespan under those costs and its error, the
-step's peak RSS above its start next to the simulator's peak of held values; then rows for
+(bubble, mean F/B/W per stage), the simulator's makespan under those costs and its error, the
+step's peak RSS above its start (the kernel's high-water mark) and in all, next to the
+simulator's peak of held values; then rows for
 p = 4 and 8 simulated from the measured per-layer costs (each stage keeping the measured stage's
 layers). The JSON's ``summary`` holds ``zbv_over_1f1b``, ``torch_zbv_over_1f1b`` and
 ``simulator_error``.
@@ -35,6 +36,7 @@ from pathlib import Path
 import numpy as np
 from _common import machine_info, print_table, write_result
 from _pipeline_probes import PeakRSS, held_units, ping_pong
+from _pipeline_report import draw_runs, printable, schedule_of, simulated_rows
 
 from ms_layout.comm.netns import rate_for
 
@@ -59,18 +61,6 @@ def _config(args):
         max_position_embeddings=max(256, args.seq),
         tie_word_embeddings=False,
     )
-
-
-def _schedule(name: str, ranks: int, m: int):
-    """A built schedule; "zbv+fused" is ZeroBubbleV with each B its own W directly follows run as
-    one fused BW (ms_pipeline.fuse_adjacent_backward), the bubble-filling W's left apart."""
-    import ms_pipeline as mp
-
-    if name.endswith("+fused"):
-        return mp.fuse_adjacent_backward(mp.build(name.removesuffix("+fused"), ranks, m))
-    if name.endswith("+1b1f"):
-        return mp.build(name.removesuffix("+1b1f"), ranks, m, overlap=True)
-    return mp.build(name, ranks, m)
 
 
 def layer_counts(layers: int, stages: int) -> list[int]:
@@ -109,7 +99,7 @@ def _rank(group, args, variants=MS, with_torch=True):
     inputs, labels = [ms.Tensor(x[:, :-1]) for x in ids], [ms.Tensor(x[:, 1:]) for x in ids]
     runtimes, held, compile_s = {}, {}, {}
     for name in variants:
-        schedule = _schedule(name, RANKS, args.microbatches)
+        schedule = schedule_of(name, RANKS, args.microbatches)
         placement = mp.LayerPlacement.from_counts(block_counts(args.layers, schedule.num_stages))
         staged = mp.runtime.split_blocks(blocks, placement)
         mine = {s: staged[s] for s in schedule.stages_of(group.rank)}
@@ -131,7 +121,7 @@ def _rank(group, args, variants=MS, with_torch=True):
         peer.step(schedule, modules, group.rank, last_rank, t_ids, t_labels)  # warm-up
         compile_s[name] = time.perf_counter() - start
     names = (*variants, *(TORCH if with_torch else ()))
-    out = {name: {"times": [], "events": [], "rss": []} for name in names}
+    out = {name: {"times": [], "events": [], "rss": [], "rss_total": []} for name in names}
     rss = PeakRSS()
     for _ in range(args.steps):
         for name in names:  # alternated: every variant sees the same machine
@@ -146,14 +136,17 @@ def _rank(group, args, variants=MS, with_torch=True):
                     peer.step(*torch_runs[name][:2], group.rank, torch_runs[name][2], t_ids, t_labels)
                 out[name]["times"].append(time.perf_counter() - start)
             out[name]["rss"].append(rss.peak - rss.start)
+            out[name]["rss_total"].append(rss.peak)
     for name in out:
         out[name].update(latency=latency, held=held.get(name), compile_s=compile_s[name])
     return out
 
 
 def _stage_costs(schedule, events, fallback=None):
-    """Median F, B, W and BW per stage over the measured steps: {"f", "b", "w", "bw"} lists. A
-    stage that ran no separate B (or W) takes it from ``fallback`` (the unfused run's costs)."""
+    """Mean F, B, W and BW per stage over the measured steps: {"f", "b", "w", "bw"} lists. The mean,
+    not the median: a makespan adds durations, slow tail included (with medians the prediction of
+    ZBV's 48 actions a rank fell 4-5 % short of the step). A stage that ran no separate B (or W)
+    takes it from ``fallback`` (the unfused run's costs)."""
     from ms_pipeline import Kind
 
     durations: dict = {}
@@ -161,11 +154,11 @@ def _stage_costs(schedule, events, fallback=None):
         for e in step_events:
             for part in e.action.computes():
                 durations.setdefault((part.stage, part.kind), []).append(e.end - e.start)
-    med = {k: statistics.median(v) for k, v in durations.items()}
+    mean = {k: statistics.fmean(v) for k, v in durations.items()}
     stages = range(schedule.num_stages)
-    out = {"f": [med[(s, Kind.F)] for s in stages]}
+    out = {"f": [mean[(s, Kind.F)] for s in stages]}
     for key, kind in (("b", Kind.B), ("w", Kind.W), ("bw", Kind.BW)):
-        values = [med.get((s, kind)) for s in stages]
+        values = [mean.get((s, kind)) for s in stages]
         if any(v is None for v in values) and fallback is not None and fallback.get(key) is not None:
             values = [fallback[key][s] if v is None else v for s, v in zip(stages, values)]
         out[key] = values if all(v is not None for v in values) else None
@@ -183,7 +176,7 @@ def _held(per_rank, num_stages):
 def _ms_row(name, args, per_rank, fallback=None):
     import ms_pipeline as mp
 
-    schedule = _schedule(name, RANKS, args.microbatches)
+    schedule = schedule_of(name, RANKS, args.microbatches)
     steps = len(per_rank[0]["times"])
     step_times = [max(r["times"][i] for r in per_rank) for i in range(steps)]
     events = [[e for r in per_rank for e in r["events"][i] if e.action.is_compute] for i in range(steps)]
@@ -201,6 +194,7 @@ def _ms_row(name, args, per_rank, fallback=None):
     predicted = mp.simulate(mp.split_pairs(schedule), costs)  # a 1B1F pair runs as its halves
     step = statistics.median(step_times)
     row = {
+        "step_times_s": step_times,
         "schedule": name,
         "ranks": RANKS,
         "microbatches": args.microbatches,
@@ -216,6 +210,7 @@ def _ms_row(name, args, per_rank, fallback=None):
         "bw_ms": 1e3 * statistics.fmean(bw) if bw else None,
         "comm_ms": 1e3 * per_rank[0]["latency"],
         "peak_rss_mb": max(statistics.median(r["rss"]) for r in per_rank) / 2**20,
+        "rss_total_mb": max(statistics.median(r["rss_total"]) for r in per_rank) / 2**20,
         "predicted_held_mb": max(predicted.peak_activation),
         "compile_s": max(r["compile_s"] for r in per_rank),
     }
@@ -226,58 +221,14 @@ def _torch_row(name, args, per_rank):
     steps = len(per_rank[0]["times"])
     step_times = [max(r["times"][i] for r in per_rank) for i in range(steps)]
     return {
+        "step_times_s": step_times,
         "schedule": name,
         "ranks": RANKS,
         "microbatches": args.microbatches,
         "step_s": statistics.median(step_times),
         "peak_rss_mb": max(statistics.median(r["rss"]) for r in per_rank) / 2**20,
+        "rss_total_mb": max(statistics.median(r["rss_total"]) for r in per_rank) / 2**20,
     }
-
-
-def _simulated(args, costs, ranks_list=(4, 8)):
-    """Rows for more ranks from the costs measured at p = 2, weak scaling (every stage keeps the
-    layers of a measured stage; the embedding and head stay on the end stages). A ZBV middle stage
-    costs what the measured layers-only stage cost (stage 1); a 1F1B middle stage what the
-    measured 1F1B stage 0 cost less the embedding's share (the difference between ZBV's stage 0
-    and its layers-only stage)."""
-    import ms_pipeline as mp
-
-    z, one, fz = costs["zbv"], costs["1f1b"], costs["zbv+fused"]
-    mid = 1
-    embed_f = z["f"][0] - z["f"][mid]
-    embed_b = (z["b"][0] + z["w"][0]) - (z["b"][mid] + z["w"][mid])
-
-    def ends_and_middle(values, n, middle=None):
-        return [values[0]] + [values[mid] if middle is None else middle] * (n - 2) + [values[-1]]
-
-    rows = []
-    if one["f"][0] <= embed_f or one["bw"][0] <= embed_b:
-        # at sizes where dispatch dominates, the embedding's share measured on ZBV's stage 0
-        # exceeds what 1F1B's stage 0 took: no layers-only 1F1B stage can be derived
-        print("simulated rows skipped: the embedding's measured share exceeds 1F1B's stage 0", file=sys.stderr)
-        return rows
-    for ranks in ranks_list:
-        m = max(args.microbatches, 2 * ranks)
-        out = {}
-        for name in ("1f1b", "zbv", "zbv+fused"):
-            schedule = _schedule(name, ranks, m)
-            n = schedule.num_stages
-            if name == "1f1b":
-                f = ends_and_middle(one["f"], n, one["f"][0] - embed_f)
-                b = ends_and_middle(one["bw"], n, one["bw"][0] - embed_b)
-                cm = mp.CostModel(f=f, b=b, w=0.0, comm=0.0)
-            else:
-                src = fz if name.endswith("+fused") else z
-                bw = ends_and_middle(src["bw"], n) if src["bw"] else None
-                cm = mp.CostModel(
-                    f=ends_and_middle(src["f"], n), b=ends_and_middle(src["b"], n),
-                    w=ends_and_middle(src["w"], n), bw=bw, comm=0.0,
-                )  # fmt: skip
-            out[name] = mp.simulate(schedule, cm).makespan
-            row = {"schedule": f"{name} (simulated)", "ranks": ranks, "microbatches": m, "predicted_s": out[name]}
-            row["/1f1b"] = out[name] / out["1f1b"]
-            rows.append(row)
-    return rows
 
 
 def _shape(args) -> tuple[int, int, int]:
@@ -297,6 +248,11 @@ def _rows(args, results, variants, torch_variants):
     for r in rows:
         base = by["torch 1f1b" if r["schedule"].startswith("torch") else "1f1b"]
         r["/1f1b"] = r["step_s"] / base["step_s"]
+        # each timed round runs every variant once, back to back: the ratio within a round cancels
+        # the box's drift between rounds (this machine's speed moves by up to 1.4x within minutes)
+        paired = [a / b for a, b in zip(r["step_times_s"], base["step_times_s"])]
+        r["/1f1b_paired"] = statistics.median(paired)
+        r["/1f1b_paired_range"] = [min(paired), max(paired)]
         peer = by.get("torch " + r["schedule"].split("+")[0])
         if peer is not None:
             r["torch_step/step"] = peer["step_s"] / r["step_s"]
@@ -367,7 +323,7 @@ def main(argv=None) -> int:
     print(f"ran in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     rows, costs = _rows(args, results, MS, TORCH)
     by = {r["schedule"]: r for r in rows}
-    simulated = _simulated(args, costs)
+    simulated = simulated_rows(args, costs)
     shaped_rows, shaped = [], {"rate": None}
     if args.rate != "none":
         rate = args.rate
@@ -383,24 +339,26 @@ def main(argv=None) -> int:
             shaped["comm_ms"] = shaped_rows[0]["comm_ms"]
             shaped["comm_share"] = shaped["comm_ms"] / by["zbv"]["f_ms"]
             if args.draw:
-                _draw(args.draw, got, args, SHAPED, suffix="-shaped")
+                draw_runs(args.draw, got, args, SHAPED, RANKS, suffix="-shaped")
     if args.draw:
-        _draw(args.draw, results, args, MS)
+        draw_runs(args.draw, results, args, MS, RANKS)
     model = {k: getattr(args, k) for k in ("hidden", "layers", "seq", "micro_batch", "microbatches", "vocab", "heads")}
     title = (
         f"ZeroBubbleV vs 1F1B, {RANKS} CPU ranks x 1 thread, Llama d={args.hidden} x {args.layers} layers, "
         f"seq {args.seq}, micro-batch {args.micro_batch}, m={args.microbatches}: ms-pipeline (jit) beside PyTorch"
     )
-    print_table([{k: f"{v:.4g}" if isinstance(v, float) else v for k, v in r.items()} for r in rows], title)
+    print_table([printable(r) for r in rows], title)
     print_table([{k: f"{v:.4g}" if isinstance(v, float) else v for k, v in r.items()} for r in simulated], "simulated")
     if shaped_rows:
         where = f"the same over a shaped link ({shaped['rate']} per direction, network namespaces)"
-        print_table([{k: f"{v:.4g}" if isinstance(v, float) else v for k, v in r.items()} for r in shaped_rows], where)
+        print_table([printable(r) for r in shaped_rows], where)
     machine = machine_info("mindspore", "torch", ranks=RANKS, threads_per_rank=1, model=model, pinned=args.pin)
     summary = {
         "zbv_over_1f1b": by["zbv"]["step_s"] / by["1f1b"]["step_s"],
         "zbv_fused_over_1f1b": by["zbv+fused"]["step_s"] / by["1f1b"]["step_s"],
         "torch_zbv_over_1f1b": by["torch zbv"]["step_s"] / by["torch 1f1b"]["step_s"],
+        "zbv_over_1f1b_paired": by["zbv"]["/1f1b_paired"],
+        "torch_zbv_over_1f1b_paired": by["torch zbv"]["/1f1b_paired"],
         "simulator_error": max(r["simulator_error"] for r in rows if "simulator_error" in r),
         "ms_zbv_over_torch_zbv_step": by["zbv"]["step_s"] / by["torch zbv"]["step_s"],
         **_pair_summary(by, ""),
@@ -426,25 +384,6 @@ def main(argv=None) -> int:
     print(json.dumps(summary, indent=2))
     write_result(Path(args.out), report)
     return 0
-
-
-def _draw(png_dir, results, args, variants, suffix="") -> None:
-    """The fastest measured step of each ms-pipeline schedule as a PNG (receive waits in grey)."""
-    import ms_pipeline as mp
-    from ms_pipeline.draw import draw_png
-
-    for name in variants:
-        per_rank = [r[name] for r in results]
-        best = min(range(len(per_rank[0]["times"])), key=lambda i: max(r["times"][i] for r in per_rank))
-        events = [e for r in per_rank for e in r["events"][best]]
-        t0 = min(e.start for e in events)
-        events = [mp.Event(e.rank, e.action, 1e3 * (e.start - t0), 1e3 * (e.end - t0)) for e in events]
-        schedule = _schedule(name, RANKS, args.microbatches)
-        bubbles = mp.Bubbles.of([e for e in events if e.action.is_compute], RANKS)
-        title = f"{name}, measured, d={args.hidden}, m={args.microbatches}: {bubbles.makespan:.0f} ms"
-        Path(png_dir).mkdir(parents=True, exist_ok=True)
-        path = Path(png_dir) / f"ms-pipeline-run-{name.replace('+', '-')}{suffix}.png"
-        draw_png(events, path, stage_to_rank=schedule.stage_to_rank, title=title, xlabel="ms")
 
 
 if __name__ == "__main__":

@@ -81,12 +81,19 @@ def _preinstall(session: nox.Session, package: str) -> None:
         session.install(*args)
 
 
-def _workers(package: str | None = None) -> list[str]:
-    """pytest-xdist arguments for a suite of long, mostly single-threaded tests (compiles, engine
-    start-ups): `[tool.ms-toolkit] test-workers = 2` in a package's pyproject.toml. `loadfile` keeps
-    each file's tests (and its module fixtures: a server, a demo run) on one worker."""
-    tool = _pyproject(package).get("tool", {}).get("ms-toolkit", {}) if package else {"test-workers": 2}
-    workers = int(tool.get("test-workers", 1))
+#: pytest-xdist workers of `nox -s integration` (its files are multi-process jobs and start-ups)
+INTEGRATION_WORKERS = 2
+
+
+def _test_workers(package: str) -> int:
+    """How many pytest-xdist workers a package's tests take: `[tool.ms-toolkit] test-workers = 2` in
+    its pyproject.toml, for a suite of long, mostly single-threaded tests (compiles, engine start-ups)."""
+    return int(_pyproject(package).get("tool", {}).get("ms-toolkit", {}).get("test-workers", 1))
+
+
+def _xdist(workers: int) -> list[str]:
+    """pytest arguments for `workers` workers; `loadfile` keeps each file's tests (and its module
+    fixtures: a server, a demo run) on one worker."""
     return ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
 
 
@@ -121,7 +128,7 @@ def tests(session: nox.Session, variant: str) -> None:
             "-c",
             "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) for m in ('torch', 'mindspore')))",
         )
-    workers = _workers(package)
+    workers = _xdist(_test_workers(package))
     if workers:
         session.install("pytest-xdist>=3.5")
     session.run("pytest", str(PACKAGES_DIR / package / "tests"), *args, *workers, *session.posargs)
@@ -133,7 +140,7 @@ def integration(session: nox.Session) -> None:
     for package in _packages():
         _install_package(session, package, "test")
     session.install("psutil", "pytest-xdist>=3.5")  # psutil: to collect the workers msrun leaves behind
-    session.run("pytest", str(ROOT / "integration_tests"), *_workers(), *session.posargs)
+    session.run("pytest", str(ROOT / "integration_tests"), *_xdist(INTEGRATION_WORKERS), *session.posargs)
 
 
 @nox.session

@@ -177,8 +177,8 @@ def _ms_row(name, args, per_rank, fallback=None):
     import ms_pipeline as mp
 
     schedule = schedule_of(name, RANKS, args.microbatches)
-    steps = len(per_rank[0]["times"])
-    step_times = [max(r["times"][i] for r in per_rank) for i in range(steps)]
+    common = _measured(name, args, per_rank)
+    steps = len(common["step_times_s"])
     events = [[e for r in per_rank for e in r["events"][i] if e.action.is_compute] for i in range(steps)]
     measured = [mp.Bubbles.of(ev, RANKS) for ev in events]
     c = _stage_costs(schedule, events, fallback)
@@ -192,13 +192,9 @@ def _ms_row(name, args, per_rank, fallback=None):
     mem_w = [-h[1] / 2**20 for h in held]
     costs = mp.CostModel(f=f, b=b, w=w, bw=bw, comm=per_rank[0]["latency"], mem_f=mem_f, mem_b=mem_b, mem_w=mem_w)
     predicted = mp.simulate(mp.split_pairs(schedule), costs)  # a 1B1F pair runs as its halves
-    step = statistics.median(step_times)
+    step = common["step_s"]
     row = {
-        "step_times_s": step_times,
-        "schedule": name,
-        "ranks": RANKS,
-        "microbatches": args.microbatches,
-        "step_s": step,
+        **common,
         "predicted_s": predicted.makespan,
         "simulator_error": abs(predicted.makespan - step) / step,
         "trace_makespan_s": statistics.median(x.makespan for x in measured),
@@ -209,15 +205,15 @@ def _ms_row(name, args, per_rank, fallback=None):
         "w_ms": 1e3 * statistics.fmean(w),
         "bw_ms": 1e3 * statistics.fmean(bw) if bw else None,
         "comm_ms": 1e3 * per_rank[0]["latency"],
-        "peak_rss_mb": max(statistics.median(r["rss"]) for r in per_rank) / 2**20,
-        "rss_total_mb": max(statistics.median(r["rss_total"]) for r in per_rank) / 2**20,
         "predicted_held_mb": max(predicted.peak_activation),
         "compile_s": max(r["compile_s"] for r in per_rank),
     }
     return row, c
 
 
-def _torch_row(name, args, per_rank):
+def _measured(name, args, per_rank) -> dict:
+    """What every variant's row holds: its step times (slowest rank per round), their median and
+    the peak RSS, above the step's start and in all (the rank's worst median)."""
     steps = len(per_rank[0]["times"])
     step_times = [max(r["times"][i] for r in per_rank) for i in range(steps)]
     return {
@@ -243,7 +239,7 @@ def _rows(args, results, variants, torch_variants):
     for name in variants:
         row, costs[name] = _ms_row(name, args, [r[name] for r in results], costs.get("zbv"))
         rows.append(row)
-    rows += [_torch_row(name, args, [r[name] for r in results]) for name in torch_variants]
+    rows += [_measured(name, args, [r[name] for r in results]) for name in torch_variants]
     by = {r["schedule"]: r for r in rows}
     for r in rows:
         base = by["torch 1f1b" if r["schedule"].startswith("torch") else "1f1b"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -167,3 +168,22 @@ def test_pin_cpus_gives_each_rank_one_cpu_of_the_launchers_set():
 def test_pin_cpus_must_be_a_bool(bad):
     with pytest.raises(CommError, match=f"pin_cpus must be True or False, got {bad!r}"):
         run_local(barrier, 2, backend="gloo", pin_cpus=bad)
+
+
+def test_the_forkserver_preloads_start_no_thread():
+    """A fork keeps only the forking thread: a preloaded module that started a thread at import
+    (a pool, a watcher) would leave the ranks with its state and without the thread."""
+    from ms_layout.comm.launcher import PRELOAD
+
+    pytest.importorskip("mindspore")
+    code = (
+        "import os, sys, importlib\n"
+        "before = len(os.listdir('/proc/self/task'))\n"
+        "for m in sys.argv[1:]: importlib.import_module(m)\n"
+        "print(before, len(os.listdir('/proc/self/task')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, *PRELOAD], capture_output=True, text=True, check=True, timeout=120
+    )
+    before, after = map(int, out.stdout.split())
+    assert "mindspore" in PRELOAD and after == before, out.stdout

@@ -2,11 +2,14 @@
 
 Ranks are started like multiprocessing's "spawn" (a clean interpreter; ``fn`` is pickled by
 reference, so it must be importable), but through the "forkserver" start method where the platform
-has it, with numpy and torch preloaded in the server: measured on 2 busy cores, starting 4 ranks
-that import torch took 10-26 s with spawn and 0.2-0.4 s from the warm forkserver (3.5 s cold).
+has it, with numpy, torch and MindSpore preloaded in the server: measured on 2 busy cores, starting
+4 ranks that import torch took 10-26 s with spawn and 0.2-0.4 s from the warm forkserver (3.5 s
+cold); importing MindSpore costs each rank ~9 s of CPU more, and preloading it took ms-pipeline's
+three runtime tests (2 and 4 ranks) from 172 to 138 s. Importing MindSpore starts no thread (its
+thread pools start with the first op), so forking after it is safe.
 
 ``pin_cpus=True`` gives rank r the r-th CPU of the launcher's own CPU set (modulo its size), set
-before the rank imports anything, so that every thread it starts (MindSpore's kernel threads,
+before the rank starts any thread, so that every thread it starts (MindSpore's kernel threads,
 OpenMP, BLAS) stays on that CPU. Unpinned, each rank's threads float over every core and the ranks
 slow each other down: measured with a 2-rank ZeroBubbleV pipeline on 2 cores, its step went from
 1.33x to 1.155x of 1F1B's when pinned (one run each, same code).
@@ -52,8 +55,9 @@ RANK_TIMEOUT_MARGIN_S = 5.0
 EXIT_GRACE_S = 10.0
 
 
-#: modules the forkserver imports once, so that every rank starts with them loaded
-PRELOAD = ("numpy", "torch.distributed", "ms_layout.comm.gloo")
+#: modules the forkserver imports once, so that every rank starts with them loaded (none of them
+#: starts a thread at import, which a fork would not carry over)
+PRELOAD = ("numpy", "torch.distributed", "ms_layout.comm.gloo", "mindspore")
 
 
 def _context() -> Any:

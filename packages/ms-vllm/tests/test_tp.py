@@ -1,6 +1,6 @@
 """Tensor and expert parallel through vllm.LLM: 2 worker processes (vLLM's mp executor, ms_layout.comm
 gloo collectives) give the same greedy tokens as one process, with prefix caching and chunked
-prefill on. Each test starts a 2-rank engine (about 1-2 minutes on a busy 2-core box)."""
+prefill on. Both 2-rank engines start in one interpreter (about 1-2 minutes each on a busy 2-core box)."""
 
 from __future__ import annotations
 
@@ -26,15 +26,25 @@ FOLLOW_UP = SHARED + [101, 102, 103]
 FEATURES = dict(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=16)
 
 
-def generate(path, **llm) -> dict:
-    """tp_generate.py in a fresh interpreter (see its docstring for why)."""
-    job = dict(model=str(path), prompts=PROMPTS, follow_up=FOLLOW_UP, n=N_NEW, llm=llm)
+def generate(*jobs: tuple[Path, dict]) -> list[dict]:
+    """tp_generate.py in a fresh interpreter (see its docstring for why): one engine per (model, LLM kwargs)."""
+    payload = [dict(model=str(path), prompts=PROMPTS, follow_up=FOLLOW_UP, n=N_NEW, llm=llm) for path, llm in jobs]
     script = os.path.join(os.path.dirname(__file__), "tp_generate.py")
     proc = subprocess.run(
-        [sys.executable, script, json.dumps(job)], capture_output=True, text=True, timeout=600, check=False
+        [sys.executable, script, json.dumps(payload)], capture_output=True, text=True, timeout=900, check=False
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tiny_dirs):
+    """Both models' 2-rank engines, one after the other in one interpreter."""
+    llama, deepseek = generate(
+        (tiny_dirs["llama"], dict(tensor_parallel_size=2, **FEATURES)),
+        (tiny_dirs["deepseek_v3"], dict(tensor_parallel_size=2, enable_expert_parallel=True, **FEATURES)),
+    )
+    return {"llama": llama, "deepseek_v3": deepseek}
 
 
 def check_tokens(out, arch, reference):
@@ -43,8 +53,8 @@ def check_tokens(out, arch, reference):
     assert out["cached"] == 12  # the shared prefix's three blocks were reused across ranks
 
 
-def test_llama_tp2_matches_one_process(tiny_dirs, reference):
-    out = generate(tiny_dirs["llama"], tensor_parallel_size=2, **FEATURES)
+def test_llama_tp2_matches_one_process(tp_runs, reference):
+    out = tp_runs["llama"]
     check_tokens(out, "llama", reference)
     shards = out["shards"]
     assert [s["rank"] for s in shards] == [0, 1]
@@ -53,8 +63,8 @@ def test_llama_tp2_matches_one_process(tiny_dirs, reference):
     assert shards[0]["params"] == shards[1]["params"]
 
 
-def test_deepseek_tp2_ep2_matches_one_process(tiny_dirs, reference):
-    out = generate(tiny_dirs["deepseek_v3"], tensor_parallel_size=2, enable_expert_parallel=True, **FEATURES)
+def test_deepseek_tp2_ep2_matches_one_process(tp_runs, reference):
+    out = tp_runs["deepseek_v3"]
     check_tokens(out, "deepseek_v3", reference)
     # MLA's latent cache (kv_lora_rank 16 + rope 8) is replicated: every rank's heads read all of it.
     assert all(s["kv_cache_shape"][2:] == [24] for s in out["shards"])

@@ -2,8 +2,9 @@
 
 A separate process because vLLM forks its tensor-parallel workers, which is only safe from a
 process that has not loaded MindSpore (the test process has: it computes the reference).
-argv[1] is JSON {"model", "prompts", "follow_up", "n", "llm": {LLM kwargs}}; the last stdout line
-is JSON {"tokens", "follow_up", "cached", "shards"}."""
+argv[1] is a JSON list of jobs {"model", "prompts", "follow_up", "n", "llm": {LLM kwargs}}, run one
+engine after the other (one interpreter: importing vLLM costs ~20 s of CPU here); the last stdout
+line is the JSON list of their results {"tokens", "follow_up", "cached", "shards"}."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 def main() -> None:
-    job = json.loads(sys.argv[1])
+    print(json.dumps([generate(job) for job in json.loads(sys.argv[1])]), flush=True)
+
+
+def generate(job: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     args = dict(max_model_len=96, block_size=4, max_num_seqs=8, kv_cache_memory_bytes=4 << 20, seed=0)
@@ -35,7 +39,7 @@ def main() -> None:
         "cached": follow.num_cached_tokens or 0,
         "shards": shards,
     }
-    print(json.dumps(result), flush=True)
+    return result
 
 
 if __name__ == "__main__":

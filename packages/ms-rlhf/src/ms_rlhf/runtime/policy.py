@@ -102,8 +102,12 @@ class PolicyFunctions:
             np.stack(ref).astype(np.float32),
         ]
         (total, aux), grads = self._grad(*self.tensors(rows), *(ms.Tensor(a) for a in arrays))
+        # gradients first, the embedding's (the end of the backward) leading: a compiled call
+        # returns before its graph ran, and reading an output computed early (the loss) first
+        # busy-waits the Python thread on the kernels' core (docs/mindspore-cpu.md, section 15)
+        grads = [g.asnumpy() for g in grads]
         stats = (float(total.asnumpy()), *(float(a.asnumpy()) for a in aux))
-        return stats, [g.asnumpy() for g in grads]
+        return stats, grads
 
 
 def row_weights(row: Row, sample_weight: np.ndarray) -> np.ndarray:

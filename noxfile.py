@@ -162,10 +162,12 @@ def bench(session: nox.Session) -> None:
     for script in sorted((ROOT / "benchmarks").glob("bench_*.py")):
         name = script.stem.removeprefix("bench_")
         session.run("python", str(script), "--out", str(results / f"{name}.json"), *session.posargs)
-        if name == "vllm":  # the offline serving comparison, one result per model
+        if name == "vllm":  # the offline comparison and `vllm serve` under `vllm bench serve`, per model
             for model in ("tiny", "mid"):
                 out = results / f"vllm_{model}.json"
                 session.run("python", str(script), "--model", model, "--out", str(out), *session.posargs)
+                out = results / f"vllm_serve_{model}.json"
+                session.run("python", str(script), "--serve", model, "--out", str(out), *session.posargs)
     summary = ROOT / "benchmarks" / "summary.py"
     session.run("python", str(summary), str(results), "--markdown", str(ROOT / "docs" / "benchmarks.md"))
 

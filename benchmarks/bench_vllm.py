@@ -4,12 +4,17 @@ and the speedups of prefix caching, multi-step decoding and MTP, all measured si
     python benchmarks/bench_vllm.py [--quick] --out benchmarks/results/vllm.json
     python benchmarks/bench_vllm.py --model tiny|mid --out F      (the offline comparison; nox -s bench
                                                                   writes results/vllm_tiny.json, vllm_mid.json)
+    python benchmarks/bench_vllm.py --serve tiny|mid --out F      (`vllm serve` under `vllm bench serve`;
+                                                                  results/vllm_serve_tiny.json, _mid.json)
 
 The offline comparison (_vllm_offline.py): 64 mixed-length requests through vllm.LLM with compiled
 steps against HF generate at its best batch size and thread count, and against the plugin's eager
 path; the result's top-level `summary` holds ms_vllm_over_hf (tokens/s, wall), ms_vllm_over_hf_cpu
 (per CPU-second), over_eager and outside_model_share (of the run's wall time, outside model calls).
-The feature rows below run the plugin eagerly (enforce_eager), comparing each feature on and off.
+The serving run (_vllm_serve.py): `vllm serve` with the plugin, loaded by vLLM's own `vllm bench serve`
+(random dataset, mixed lengths, a request rate and a concurrency cap): throughput and TTFT / TPOT
+p50 / p99, after a cold and a warm (compile-cached) start. The feature rows below run the plugin
+eagerly (enforce_eager), comparing each feature on and off.
 
 Same checkpoints (ms_models.make_tiny; a "small" 4-layer, 256-wide Llama for prefix caching, where
 prefill compute is not lost in per-step overhead) and token prompts for both stacks, greedy decoding.
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import tempfile
 import time
@@ -35,6 +41,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 import numpy as np
 from _common import machine_info, write_result
 from _vllm_offline import offline, rows_of
+from _vllm_serve import serve, serve_rows
 
 
 def best_of(fn, repeats):
@@ -170,7 +177,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer tokens and one repeat")
     ap.add_argument("--out", default="benchmarks/results/vllm.json")
     ap.add_argument("--model", choices=("tiny", "mid"), help="only the offline comparison on this model")
+    ap.add_argument("--serve", choices=("tiny", "mid"), help="only `vllm serve` under `vllm bench serve`, this model")
     args = ap.parse_args()
+    if args.serve:
+        result = serve(args.serve, tempfile.mkdtemp(prefix="bench-vllm-serve-"), num_prompts=16 if args.quick else 64)
+        return write_serve(args, result)
     import mindspore as ms
     import torch
 
@@ -261,6 +272,23 @@ def main() -> None:
     rows += quant_rows(small, root)
 
     write(args, rows, {}, None)
+
+
+def write_serve(args, result) -> None:
+    m = result["model"]
+    report = dict(
+        benchmark=f"vllm_serve_{m}",
+        title=f"ms-vllm compiled, `vllm serve` under `vllm bench serve` ({m} llama): throughput, TTFT, TPOT",
+        summary=result["summary"],
+        machine=machine_info("mindspore", "torch", "vllm", quick=args.quick),
+        load=result["load"],
+        script="bench_vllm.py",
+        note=f"Written by `benchmarks/bench_vllm.py --serve {m}`.",
+        rows=serve_rows(result),
+        raw=result["raw"],
+    )
+    write_result(Path(args.out), report)
+    print(json.dumps(report["summary"], indent=2))
 
 
 def write(args, rows, offline_results, headline) -> None:

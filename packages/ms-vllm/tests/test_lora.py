@@ -53,7 +53,17 @@ def merged_reference(path, tensors, scale, n):
     return generate_greedy_recompute(model, PROMPT, n)
 
 
-def test_mixed_adapters_equal_merged_weights(tiny_dirs, reference, tmp_path):
+# compiled on two decode sizes and one prefill size (3 graphs), or eager
+COMPILED = {
+    "enforce_eager": False,
+    "additional_config": {
+        "compile": {"decode_sizes": [1, 4], "prefill_sizes": [16], "context_sizes": [96], "batch_tokens": 0}
+    },
+}
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_mixed_adapters_equal_merged_weights(mode, tiny_dirs, reference, tmp_path):
     import mindspore as ms
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
@@ -68,7 +78,7 @@ def test_mixed_adapters_equal_merged_weights(tiny_dirs, reference, tmp_path):
     expect = [merged_reference(path, t1, s1, 5), merged_reference(path, t2, s2, 5), reference("llama", PROMPT, 5)]
     assert expect[0] != expect[2] and expect[1] != expect[2]  # the adapters do change the tokens
 
-    llm = make_llm(path, enable_lora=True, max_loras=2, max_lora_rank=8)
+    llm = make_llm(path, enable_lora=True, max_loras=2, max_lora_rank=8, **(COMPILED if mode == "compiled" else {}))
     try:
         requests = [LoRARequest("a1", 1, str(tmp_path / "a1")), LoRARequest("a2", 2, str(tmp_path / "a2")), None]
         outs = llm.generate(
@@ -77,9 +87,12 @@ def test_mixed_adapters_equal_merged_weights(tiny_dirs, reference, tmp_path):
             lora_request=requests,
             use_tqdm=False,
         )
+        stats = llm.collective_rpc("ms_vllm_stats")[0]
     finally:
         close_llm(llm)
     assert [list(o.outputs[0].token_ids) for o in outs] == expect
+    if mode == "compiled":  # every step of the mixed batch ran a compiled graph
+        assert stats["eager_calls"] == 0 and stats["compiled_calls"] > 0 and len(stats["compile_s"]) == 3
 
 
 def test_bad_adapter_is_refused(tmp_path, tiny_dirs):
@@ -90,8 +103,8 @@ def test_bad_adapter_is_refused(tmp_path, tiny_dirs):
 
     ms.set_device("CPU")
     model = from_pretrained(tiny_dirs["llama"])
-    manager = LoRAManager(model, max_loras=1, max_rank=2)
     write_adapter(tmp_path / "big", model, seed=3, rank=4)
+    manager = LoRAManager(model, max_loras=1, max_rank=2)  # wraps (and renames) the adaptable layers
 
     class Req:
         lora_int_id, lora_name, lora_path = 1, "big", str(tmp_path / "big")
@@ -102,3 +115,45 @@ def test_bad_adapter_is_refused(tmp_path, tiny_dirs):
     with pytest.raises(LoRAError, match="not a PEFT adapter directory"):
         manager.add(Req)
     assert manager.list() == set()
+
+
+def test_slots_are_reused_and_bad_targets_leave_the_banks_alone(tmp_path, tiny_dirs):
+    import mindspore as ms
+    from safetensors.numpy import load_file, save_file
+
+    from ms_models import from_pretrained
+    from ms_vllm.lora import LoRAError, LoRAManager
+
+    ms.set_device("CPU")
+    model = from_pretrained(tiny_dirs["llama"])
+    first, _ = write_adapter(tmp_path / "a", model, seed=4, rank=2, alpha=2.0)
+    write_adapter(tmp_path / "b", model, seed=5, rank=2, alpha=2.0)
+    head = tmp_path / "head"  # the adapter "b" plus the LM head, which LoRA does not adapt
+    (head).mkdir()
+    (head / "adapter_config.json").write_text((tmp_path / "b" / "adapter_config.json").read_text())
+    tensors = load_file(str(tmp_path / "b" / "adapter_model.safetensors"))
+    tensors["base_model.model.lm_head.lora_A.weight"] = np.zeros((2, 64), np.float32)
+    tensors["base_model.model.lm_head.lora_B.weight"] = np.zeros((320, 2), np.float32)
+    save_file(tensors, str(head / "adapter_model.safetensors"))
+    manager = LoRAManager(model, max_loras=1, max_rank=4)
+
+    def req(lora_id, name):
+        return type("Req", (), {"lora_int_id": lora_id, "lora_name": name, "lora_path": str(tmp_path / name)})
+
+    manager.add(req(1, "a"))
+    q = manager.wrapped["model.layers.0.self_attn.q_proj"]
+    bank = q.lora_a.asnumpy().copy()
+    np.testing.assert_array_equal(bank[:2], first["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"])
+    assert not bank[2:].any()  # rank 2 of 4: the slot's other rows stay zero
+    with pytest.raises(LoRAError, match="max_loras=1"):
+        manager.add(req(2, "b"))
+    manager.remove(1)
+    with pytest.raises(LoRAError, match="'lm_head'"):
+        manager.add(req(3, "head"))
+    np.testing.assert_array_equal(q.lora_a.asnumpy(), bank)  # refused before anything was written
+    manager.add(req(2, "b"))  # the freed slot, overwritten
+    assert manager.adapters[2].slot == 0 and not np.array_equal(q.lora_a.asnumpy(), bank)
+    untouched = manager.wrapped["model.layers.0.self_attn.k_proj"]  # targeted by neither adapter
+    assert not untouched.lora_a.asnumpy().any() and not untouched.lora_b.asnumpy().any()
+    with pytest.raises(LoRAError, match="exceeds the LoRA token capacity"):
+        manager.set_batch(np.zeros(manager.max_tokens + 1, np.int64))

@@ -55,8 +55,9 @@ class PagedStep(nn.Cell):
         return self.lm.paged_step(input_ids, positions, caches, meta, logits_rows)
 
 
-def cache_key(model, config: BucketConfig, num_blocks: int, block_size: int) -> str:
-    """What the compiled graphs depend on, hashed (the compile-cache sub-directory)."""
+def cache_key(model, config: BucketConfig, num_blocks: int, block_size: int, lora=None) -> str:
+    """What the compiled graphs depend on, hashed (the compile-cache sub-directory); `lora`: the
+    LoRA banks' (slots, rank, token capacity), None without LoRA."""
     import mindspore
 
     from . import __version__
@@ -65,7 +66,7 @@ def cache_key(model, config: BucketConfig, num_blocks: int, block_size: int) -> 
     fields = cfg.to_dict() if hasattr(cfg, "to_dict") else vars(cfg)
     blob = json.dumps(
         [type(model).__name__, fields, config.buckets().__repr__(), num_blocks, block_size, mindspore.__version__,
-         __version__], sort_keys=True, default=str,
+         __version__, lora], sort_keys=True, default=str,
     )  # fmt: skip
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

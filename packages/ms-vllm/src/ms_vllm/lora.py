@@ -1,19 +1,24 @@
-"""Multi-LoRA: several PEFT adapters, and the base model, in one batch.
+"""Multi-LoRA: several PEFT adapters, and the base model, in one batch, eager or compiled.
 
 An adapter directory in PEFT's format holds `adapter_config.json` (`r`, `lora_alpha`,
 `use_rslora`) and `adapter_model.safetensors` with, per adapted linear layer,
 `base_model.model.<module>.lora_A.weight` [r, in] and `...lora_B.weight` [out, r]. The module
 names are HF's, which are ms-models' own, so they map one to one.
 
-The adapted linear layers are wrapped once (`LoRALinear`); before each forward the runner tells
-every wrapper which rows of the flat batch belong to which adapter, and the wrapper adds
+At start-up every adaptable linear layer of the decoder is wrapped (`LoRALinear`), as vLLM wraps
+its layers before any adapter is known, so that a compiled graph never changes shape: each wrapper
+holds a bank of `max_loras` slots of rank `max_lora_rank`, A [slots * R, in] and B [out, slots * R]
+(an adapter of lower rank is zero-padded, a slot without an adapter is zero), and every wrapper
+reads one shared token mask M [tokens, slots * R], whose row t holds the adapter scale in the
+columns of token t's slot and zeros elsewhere. Then, for every row of the flat batch at once,
 
-    y[rows of adapter a] += scale_a * (x A_a^T) B_a^T          scale = alpha / r (alpha / sqrt(r) with rsLoRA)
+    y = x W^T + ((x A^T) * M) B^T          scale = alpha / r (alpha / sqrt(r) with rsLoRA)
 
-so rows of different adapters and of the base model share one batched forward (what vLLM's punica
-kernels do on GPUs; here one masked low-rank product per active adapter). The tests check a batch
-mixing two adapters and the base model against each adapter merged into the weights,
-W' = W + scale * B A.
+two thin GEMMs per layer whatever the mix of adapters (what vLLM's punica kernels do on GPUs).
+The banks and the mask are Parameters written with `ops.assign` (a compiled graph reads a
+Parameter's buffer; `set_data` would swap the buffer under it, docs/mindspore-cpu.md), so the same
+graph serves any adapters and any batch. The tests check a batch mixing two adapters and the base
+model against each adapter merged into the weights, W' = W + scale * B A, eager and compiled.
 """
 
 from __future__ import annotations
@@ -23,12 +28,16 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
-from mindspore import Tensor, nn
+from mindspore import Parameter, Tensor, nn, ops
 from safetensors.numpy import load_file
 
 from ms_models import linear
 
 _PREFIX = "base_model.model."
+#: the decoder's linear layers LoRA adapts (HF names; MLA's kv_b_proj is read as a weight by the
+#: absorbed attention, and routed experts are stacked tensors, so neither is here)
+ADAPTABLE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj", "q_b_proj",
+             "kv_a_proj_with_mqa")  # fmt: skip
 
 
 class LoRAError(ValueError):
@@ -37,32 +46,41 @@ class LoRAError(ValueError):
 
 @dataclass
 class Adapter:
-    """One loaded adapter: per module name, (A [r, in], B [out, r]) and the common scale."""
+    """One loaded adapter: its slot in the banks, scale and the modules it adapts."""
 
     lora_id: int
     name: str
+    slot: int
     scale: float
-    weights: dict[str, tuple[Tensor, Tensor]]
+    modules: tuple[str, ...]
+
+
+def _zeros(shape: tuple[int, ...], name: str) -> Parameter:
+    return Parameter(Tensor(np.zeros(shape, np.float32)), name=name, requires_grad=False)
 
 
 class LoRALinear(nn.Cell):
-    """A linear layer plus the low-rank updates of the adapters active in the current batch."""
+    """A linear layer plus the low-rank updates of every adapter slot, masked per token."""
 
-    def __init__(self, base: nn.Cell):
+    def __init__(self, base: nn.Cell, name: str, width: int, mask: Parameter):
         super().__init__()
         self.base = base
-        self.active: list[tuple[Tensor, Tensor, Tensor, float]] = []
-        """(row mask [T, 1], A, B, scale) per adapter present in the batch."""
+        out_f, in_f = base.weight.shape
+        self.lora_a = _zeros((width, in_f), f"{name}.lora_a")
+        self.lora_b = _zeros((out_f, width), f"{name}.lora_b")
+        self.mask = mask  # shared by every wrapper: [token capacity, width]
 
     @property
     def weight(self):
         return self.base.weight
 
     def construct(self, x):
-        y = self.base(x)
-        for mask, a, b, scale in self.active:
-            y = y + linear(linear(x * mask, a), b) * scale
-        return y
+        xa = linear(x, self.lora_a)
+        rows = 1
+        for d in xa.shape[:-1]:
+            rows *= d
+        xa = (xa.reshape(rows, -1) * self.mask[:rows]).reshape(xa.shape)
+        return self.base(x) + linear(xa, self.lora_b)
 
 
 def read_peft(path: str, max_rank: int | None = None) -> tuple[float, dict[str, tuple[np.ndarray, np.ndarray]]]:
@@ -96,62 +114,89 @@ def read_peft(path: str, max_rank: int | None = None) -> tuple[float, dict[str, 
 
 
 class LoRAManager:
-    """Adapters by vLLM's lora_int_id, the wrapped layers, and the per-batch activation."""
+    """Adapters by vLLM's lora_int_id in bank slots, the wrapped layers, and the token mask."""
 
-    def __init__(self, model, max_loras: int, max_rank: int):
+    def __init__(self, model, max_loras: int, max_rank: int, max_tokens: int = 256):
         self.model = model
-        self.max_loras, self.max_rank = max_loras, max_rank
+        self.max_loras, self.max_rank = int(max_loras), int(max_rank)
+        self.width = self.max_loras * self.max_rank
         self.adapters: dict[int, Adapter] = {}
+        self.mask = _zeros((max_tokens, self.width), "lora_token_mask")
         self.wrapped: dict[str, LoRALinear] = {}
+        cells = dict(model.cells_and_names())
+        for name, cell in cells.items():
+            if type(cell).__name__ == "Linear" and name.startswith("model.layers.") and name.endswith(ADAPTABLE):
+                parent_name, _, leaf = name.rpartition(".")
+                wrapper = LoRALinear(cell, name, self.width, self.mask)
+                setattr(cells[parent_name], leaf, wrapper)
+                self.wrapped[name] = wrapper
+        if not self.wrapped:
+            raise LoRAError(f"{type(model).__name__} has no linear layer LoRA can adapt ({', '.join(ADAPTABLE)})")
 
-    def _wrap(self, module: str) -> LoRALinear:
-        if module in self.wrapped:
-            return self.wrapped[module]
-        if module.endswith("kv_b_proj"):
-            # MLA's absorbed attention reads kv_b_proj.weight directly (W_UK, W_UV): an update applied
-            # in the layer's forward would be skipped, so refuse instead of serving wrong tokens.
-            raise LoRAError(f"LoRA on {module!r} is not supported (absorbed MLA reads the weight directly)")
-        cells = dict(self.model.cells_and_names())
-        if module not in cells or not hasattr(cells[module], "weight"):
-            raise LoRAError(f"adapter targets {module!r}, which is not a linear layer of the model")
-        parent_name, _, leaf = module.rpartition(".")
-        wrapper = LoRALinear(cells[module])
-        setattr(cells[parent_name] if parent_name else self.model, leaf, wrapper)
-        self.wrapped[module] = wrapper
-        return wrapper
+    @property
+    def max_tokens(self) -> int:
+        """Rows of the flat batch a forward may have (the token mask's)."""
+        return int(self.mask.shape[0])
+
+    def reserve(self, tokens: int) -> None:
+        """Make room for batches of `tokens` rows (before anything is compiled: it replaces the mask)."""
+        if tokens <= self.max_tokens:
+            return
+        self.mask = _zeros((tokens, self.width), "lora_token_mask")
+        for wrapper in self.wrapped.values():
+            wrapper.mask = self.mask
 
     def add(self, lora_request) -> bool:
-        """Load an adapter (a vllm LoRARequest) once; True when it is (already) loaded."""
+        """Load an adapter (a vllm LoRARequest) into a free slot once; True when it is (already) loaded."""
         lora_id = lora_request.lora_int_id
         if lora_id in self.adapters:
             return True
-        if len(self.adapters) >= self.max_loras:
+        used = {a.slot for a in self.adapters.values()}
+        free = [s for s in range(self.max_loras) if s not in used]
+        if not free:
             raise LoRAError(f"max_loras={self.max_loras} adapters already loaded")
         scale, pairs = read_peft(lora_request.lora_path, self.max_rank)
-        weights = {}
         for module, (a, b) in pairs.items():
-            base = self._wrap(module).base.weight
-            out_f, in_f = base.shape
+            if module not in self.wrapped:
+                raise LoRAError(
+                    f"adapter targets {module!r}, which is not an adaptable linear layer of the model "
+                    f"(MLA's kv_b_proj, routed experts, embeddings and the head are not adapted)"
+                )
+            out_f, in_f = self.wrapped[module].base.weight.shape
             if a.shape[1] != in_f or b.shape[0] != out_f or a.shape[0] != b.shape[1]:
-                raise LoRAError(f"{module}: lora_A {a.shape}, lora_B {b.shape} do not fit weight {tuple(base.shape)}")
-            weights[module] = (Tensor(a), Tensor(b))
-        self.adapters[lora_id] = Adapter(lora_id, lora_request.lora_name, scale, weights)
+                raise LoRAError(f"{module}: lora_A {a.shape}, lora_B {b.shape} do not fit weight {(out_f, in_f)}")
+        slot = free[0]
+        cols = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+        for module, wrapper in self.wrapped.items():  # every module: the slot's old adapter is overwritten
+            bank_a, bank_b = wrapper.lora_a.asnumpy().copy(), wrapper.lora_b.asnumpy().copy()
+            bank_a[cols], bank_b[:, cols] = 0.0, 0.0
+            if module in pairs:
+                a, b = pairs[module]
+                bank_a[cols][: a.shape[0]] = a
+                bank_b[:, cols][:, : b.shape[1]] = b
+            ops.assign(wrapper.lora_a, Tensor(bank_a))
+            ops.assign(wrapper.lora_b, Tensor(bank_b))
+        self.adapters[lora_id] = Adapter(lora_id, lora_request.lora_name, slot, scale, tuple(pairs))
         return True
 
     def remove(self, lora_id: int) -> bool:
+        """Forget an adapter; its slot is reused (and overwritten) by the next one loaded."""
         return self.adapters.pop(lora_id, None) is not None
 
     def list(self) -> set[int]:
         return set(self.adapters)
 
     def set_batch(self, token_lora_ids: np.ndarray) -> None:
-        """token_lora_ids [T]: the adapter of each flat-batch row (0: the base model)."""
-        for wrapper in self.wrapped.values():
-            wrapper.active = []
+        """token_lora_ids [T]: the adapter of each flat-batch row (0: the base model); rows past T
+        (a compiled bucket's padding) get none."""
+        t = len(token_lora_ids)
+        if t > self.max_tokens:
+            raise LoRAError(f"a batch of {t} tokens exceeds the LoRA token capacity {self.max_tokens}")
+        mask = np.zeros((self.max_tokens, self.width), np.float32)
         for lora_id in np.unique(token_lora_ids):
             adapter = self.adapters.get(int(lora_id))
             if adapter is None:
                 continue
-            mask = Tensor((token_lora_ids == lora_id).astype(np.float32)[:, None])
-            for module, (a, b) in adapter.weights.items():
-                self.wrapped[module].active.append((mask, a, b, adapter.scale))
+            rows = np.flatnonzero(token_lora_ids == lora_id)
+            mask[rows, adapter.slot * self.max_rank : (adapter.slot + 1) * self.max_rank] = adapter.scale
+        ops.assign(self.mask, Tensor(mask))

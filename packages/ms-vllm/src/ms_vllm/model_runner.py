@@ -148,8 +148,13 @@ class MindSporeModelRunner:
             sched = getattr(self.vllm_config, "scheduler_config", None)
             max_seqs = int(getattr(sched, "max_num_seqs", 64) or 64)
             config = BucketConfig.default(max_seqs, self.max_model_len, self.block_size)
+        lora_shape = None
+        if self.lora is not None:  # the graphs read the LoRA banks and token mask: size them first
+            self.lora.reserve(max(b.tokens for b in config.buckets()))
+            lora_shape = (self.lora.max_loras, self.lora.max_rank, self.lora.max_tokens)
         if cache_dir:
-            path = use_compile_cache(cache_dir, cache_key(self.model, config, self.num_blocks, self.block_size))
+            key = cache_key(self.model, config, self.num_blocks, self.block_size, lora_shape)
+            path = use_compile_cache(cache_dir, key)
             logger.info("ms-vllm: compile cache in %s", path)
         steps = CompiledSteps(self.model, self.kv_caches, config, self.block_size, self.num_blocks)
         times = steps.warm_up(progress)
@@ -171,10 +176,7 @@ class MindSporeModelRunner:
         from mindspore import Tensor
 
         rows = batch.logits_indices
-        if self.lora is not None:
-            per_req = [self.requests[r].lora_id for r in batch.req_ids]
-            per_row = np.repeat(per_req, np.diff(batch.query_start_loc))
-            self.lora.set_batch(np.pad(per_row, (0, len(batch.input_ids) - len(per_row))))
+        self._set_lora(batch)
         self.stats["forwards"] += 1
         self.stats["eager_calls"] += 1
         logits, hidden = self.model.forward_paged(
@@ -185,6 +187,12 @@ class MindSporeModelRunner:
         )  # fmt: skip
         logits = logits.asnumpy()[: rows.size]
         return logits, hidden
+
+    def _set_lora(self, batch: StepBatch) -> None:
+        """Tell the LoRA layers which adapter each row of `batch` uses (rows past it: none)."""
+        if self.lora is not None:
+            per_req = [self.requests[r].lora_id for r in batch.req_ids]
+            self.lora.set_batch(np.repeat(per_req, np.diff(batch.query_start_loc)))
 
     def _in_parts(self, batch: StepBatch, need_hidden: bool):
         """The step as compiled parts (and eager ones for shapes outside the buckets)."""
@@ -205,6 +213,7 @@ class MindSporeModelRunner:
                 self.stats["forwards"] += 1
                 self.stats["compiled_calls"] += 1
                 self.stats["batched_prefill_calls"] += part.bucket.kind == "prefill" and part.bucket.batch > 1
+                self._set_lora(sub)
                 lg, h = self.compiled.run(sub, part.bucket)
                 lg = lg.asnumpy()
             for k, r in enumerate(sub.logits_indices):

@@ -31,8 +31,6 @@ def compile_disabled_reason(vllm_config) -> str:
     """Why this engine's steps run eagerly ("" when they are compiled)."""
     if vllm_config.model_config.enforce_eager:
         return "enforce_eager"
-    if vllm_config.lora_config is not None:
-        return "LoRA (adapter rows change per batch; not compiled yet)"
     if vllm_config.parallel_config.world_size > 1:
         return "tensor/expert parallel (the collectives run on torch gloo, outside MindSpore graphs)"
     return ""
@@ -104,7 +102,8 @@ class MindSporeWorker(WorkerBase):
             from .lora import LoRAManager
 
             cfg = self.vllm_config.lora_config
-            lora = LoRAManager(model, cfg.max_loras, cfg.max_lora_rank)
+            tokens = int(self.vllm_config.scheduler_config.max_num_batched_tokens)
+            lora = LoRAManager(model, cfg.max_loras, cfg.max_lora_rank, max_tokens=tokens)
         self.runner = MindSporeModelRunner(
             self.vllm_config, model, multi_step_from(self.vllm_config), drafter=drafter, lora=lora
         )

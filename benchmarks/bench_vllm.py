@@ -267,6 +267,19 @@ def main() -> None:
         close(llm)
     row = timing_row(f"MTP k=1 vs none (deepseek_v3, acceptance {rate:.2f})", times[True], times[False])
     rows.append(dict(row, acceptance_rate=round(rate, 3)))
+    # ... and compiled: verification steps in verify buckets, the MTP module in its own graphs
+    few = {"compile": {"decode_sizes": [1, 2], "prefill_sizes": [16], "context_sizes": [256], "batch_tokens": 0}}
+    compiled = {}
+    for mtp in (False, True):
+        kw = dict(speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 1}) if mtp else {}
+        llm = vllm_engine(dsv3, enforce_eager=False, additional_config=few, **kw)
+        vllm_run(llm, decode, 2)
+        compiled[mtp] = best_of(lambda llm=llm: vllm_run(llm, decode, n_new), repeats)
+        stats = llm.collective_rpc("ms_vllm_stats")[0]
+        close(llm)
+    row = timing_row("MTP k=1 vs none, compiled (deepseek_v3)", compiled[True], compiled[False])
+    rows.append(dict(row, eager_calls=stats["eager_calls"], draft_eager_calls=stats.get("draft_eager_calls")))
+    rows.append(timing_row("MTP k=1 compiled vs eager (deepseek_v3)", compiled[True], times[True]))
 
     # 5. quantization (no engine: logits and perplexity of the MindSpore models themselves)
     rows += quant_rows(small, root)

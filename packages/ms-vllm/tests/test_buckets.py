@@ -104,3 +104,40 @@ def test_padding_writes_only_the_scratch_block():
         pad_part([1], [0], [0], [[9]], [1], [0, 1], [0], Bucket("decode", 1, 32), scratch, block)
     with pytest.raises(BucketError, match="context 40 does not fit"):
         pad_part([1], [39], [0], [[1] * 10], [40], [0, 1], [0], Bucket("decode", 1, 32), scratch, block)
+
+
+def test_speculative_steps_take_verify_and_draft_buckets():
+    """With 1 draft per step (spec_width 2): a verification (2 tokens, both sampled) takes a verify
+    bucket, and the drafter's requests of 2 accepted positions (one row each) a draft bucket; wider
+    verifications than spec_width still run eagerly."""
+    import dataclasses
+
+    config = dataclasses.replace(CONFIG, spec_width=2)
+    assert Bucket("verify", 4, 96, width=2) in config.buckets()
+    assert Bucket("draft", 4, 96, width=2) in config.buckets(drafting=True)
+    assert not any(b.kind == "draft" for b in config.buckets())
+    v = Bucket("verify", 4, 32, width=2)
+    assert (v.tokens, v.seqs, v.query, v.rows, str(v)) == (8, 4, 2, 8, "verify[B=4,C=32,W=2]")
+    d = Bucket("draft", 2, 32, width=2)
+    assert (d.tokens, d.seqs, d.query, d.rows) == (4, 2, 2, 2)
+    # target step: decode, two verifications, a 3-row verification (too wide), a prefill chunk
+    parts = plan_step([1, 2, 2, 3, 12], [10, 20, 30, 40, 12], [1, 2, 2, 3, 1], config)
+    by_kind = {p.bucket.kind if p.bucket else None: p for p in parts}
+    assert by_kind["verify"].requests == [1, 2] and by_kind["verify"].bucket == Bucket("verify", 2, 32, width=2)
+    assert by_kind[None].requests == [3] and "beyond spec_width" in by_kind[None].reason
+    # the drafter's step: 1 or 2 accepted positions, one row each (or none: a prompt chunk mid-way)
+    parts = plan_step([1, 2, 2, 12], [10, 20, 30, 12], [1, 1, 1, 0], config, drafting=True)
+    assert sorted((p.bucket.kind, tuple(p.requests)) for p in parts) == [
+        ("decode", (0,)),
+        ("draft", (1, 2)),
+        ("prefill", (3,)),
+    ]
+    with pytest.raises(BucketError, match="spec_width=1"):
+        dataclasses.replace(CONFIG, spec_width=1)
+
+
+def test_padding_a_verify_part_keeps_every_row():
+    config_bucket = Bucket("verify", 2, 32, width=2)
+    p = pad_part([5, 6, 7], [3, 4, 9], [13, 14, 21], [[3], [5]], [5, 10], [0, 2, 3], [0, 1, 2], config_bucket, 7, 4)
+    assert len(p.input_ids) == 4 and list(p.logits_rows) == [0, 1, 2, 0]
+    assert list(p.slot_mapping[3:]) == [28]  # the padding token writes the scratch block 7

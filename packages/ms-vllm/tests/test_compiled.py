@@ -84,8 +84,9 @@ def test_shapes_outside_the_buckets_run_eagerly_and_are_counted(tiny_dirs, refer
 
 
 def test_compiled_multi_step_and_mtp(tiny_dirs, reference):
-    """Multi-step decode (Llama) and MTP drafting (DeepSeek-V3) with the compiled path on. The MTP
-    module itself and the draft-verification steps (several sampled rows) run eagerly: counted."""
+    """Multi-step decode (Llama) and MTP drafting (DeepSeek-V3) with the compiled path on: the
+    draft-verification steps take verify buckets (every row sampled) and the MTP module its own
+    graphs (decode, prefill and draft buckets), so nothing runs eagerly."""
     llm = compiled_llm(tiny_dirs["llama"], additional_config={"compile": FEW_BUCKETS, "multi_step": 4})
     try:
         outs = llm.generate(token_prompts(PROMPTS), greedy(7), use_tqdm=False)
@@ -106,8 +107,10 @@ def test_compiled_multi_step_and_mtp(tiny_dirs, reference):
     finally:
         close_llm(llm)
     assert [list(o.outputs[0].token_ids) for o in outs] == [reference("deepseek_v3", p, 5) for p in PROMPTS]
-    assert stats["drafts"] > 0 and stats["compiled_calls"] > 0
-    assert stats["eager_reasons"].get("several sampled rows (draft verification)", 0) > 0
+    assert stats["drafts"] > 0 and stats["compiled_calls"] > 0 and stats["eager_calls"] == 0
+    assert stats["draft_compiled_calls"] > 0 and stats["draft_eager_calls"] == 0
+    kinds = {name.split(":")[-1].split("[")[0] for name in stats["compile_s"]}
+    assert kinds == {"decode", "prefill", "verify", "draft"} and len(stats["compile_s"]) == 6
 
 
 def test_padding_never_writes_a_real_slot(tiny_dirs):

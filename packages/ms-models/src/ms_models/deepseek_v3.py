@@ -79,12 +79,13 @@ class DeepseekV3ForCausalLM(CausalLM):
         -> (logits [B, S, V] for the tokens two steps ahead, this depth's hidden states)."""
         return mtp_forward(self, hidden, next_input_ids, positions, segment_ids, depth)
 
-    def allocate_mtp_kv_caches(self, num_blocks: int, block_size: int) -> list:
-        """One zeroed latent cache per MTP module, like the main layers' (see allocate_kv_caches)."""
-        from .paged_cache import zeros_cache
+    def allocate_mtp_kv_caches(self, num_blocks: int, block_size: int, flat: bool = False) -> list:
+        """One zeroed latent cache per MTP module, like the main layers' (see allocate_kv_caches;
+        `flat`: slot-major, the layout compiled steps write in place)."""
+        from .paged_cache import flat_shapes, zeros_cache
 
-        layers = self.model.mtp_layers or []
-        return [zeros_cache(layer.self_attn.cache_shapes(num_blocks, block_size)) for layer in layers]
+        shapes = [layer.self_attn.cache_shapes(num_blocks, block_size) for layer in self.model.mtp_layers or []]
+        return [zeros_cache(flat_shapes(s) if flat else s) for s in shapes]
 
     def mtp_forward_paged(
         self,

@@ -222,8 +222,13 @@ def allocate_kv_caches(model, num_blocks: int, block_size: int, dtype=mstype.flo
         raise ModelError(f"num_blocks={num_blocks}, block_size={block_size}; both must be positive")
     shapes = model.kv_cache_shapes(num_blocks, block_size)
     if flat:
-        shapes = [tuple((int(np.prod(s[:-1])), s[-1]) for s in layer) for layer in shapes]
+        shapes = [flat_shapes(layer) for layer in shapes]
     return [zeros_cache(layer, dtype) for layer in shapes]
+
+
+def flat_shapes(shapes) -> tuple:
+    """One layer's cache shapes in the flat layout: [blocks, block_size, (heads,) d] -> [rows, d]."""
+    return tuple((int(np.prod(s[:-1])), s[-1]) for s in shapes)
 
 
 _CACHE_IDS = iter(range(1 << 62))

@@ -6,14 +6,18 @@ vLLM captures one CUDA graph per batch size:
 - a decode bucket (B, C): B single-token requests whose contexts fit in C positions;
 - a prefill bucket (Q, C, n): n requests' chunks of up to Q tokens each, their contexts up to C
   (Q <= C): n = 1, and with `batch_tokens` also n = batch_tokens // Q, so that short prompts share
-  one graph (a GEMM over n * Q rows instead of n GEMMs over Q).
+  one graph (a GEMM over n * Q rows instead of n GEMMs over Q);
+- with speculative decoding (`spec_width` W = 1 + drafts per step), a verify bucket (B, C, W): B
+  requests of up to W tokens whose every row is sampled (the target checking its drafts), and for
+  the drafter a draft bucket (B, C, W): the same tokens with one row per request (the MTP module
+  over the accepted positions, its draft taken at the last).
 
 `plan_step` splits a step's flat batch into parts: the single-token requests (in pieces of at most
 the largest decode size), and the longer chunks, grouped by the prefill size they round up to, n at
 a time (a remainder of fewer than n / 2 runs one by one). Requests never read each other's cache
 blocks within a step, so running the parts one after another is the same computation. A part
-that fits no bucket (a chunk longer than the largest prefill size, draft verification with several
-sampled rows) runs eagerly and is counted.
+that fits no bucket (a chunk longer than the largest prefill size, a verification wider than W)
+runs eagerly and is counted.
 
 `pad_part` pads a part to its bucket: padding tokens write a scratch block that no request owns
 (the runner allocates one block more than vLLM's count), padding requests have an empty query, and
@@ -51,6 +55,9 @@ class BucketConfig:
     """Context lengths C (positions attended) the graphs are built for."""
     batch_tokens: int = 0
     """Padded tokens of a batched prefill graph (batch_tokens // Q chunks of up to Q); 0: none."""
+    spec_width: int = 0
+    """Tokens per request of a speculative decode step (1 + drafts per step): verify and draft
+    buckets of this width for every decode size; 0: no speculative decoding."""
 
     def __post_init__(self) -> None:
         for name in ("decode_sizes", "prefill_sizes", "context_sizes"):
@@ -59,6 +66,8 @@ class BucketConfig:
                 raise BucketError(f"{name}={sizes!r}: expected positive sizes in increasing order")
         if int(self.batch_tokens) < 0:
             raise BucketError(f"batch_tokens={self.batch_tokens!r}: expected 0 (no batched prefill) or more")
+        if int(self.spec_width) < 0 or int(self.spec_width) == 1:
+            raise BucketError(f"spec_width={self.spec_width!r}: expected 0 (none) or 1 + the drafts per step")
         if self.prefill_sizes[0] > self.context_sizes[-1]:
             raise BucketError(
                 f"prefill size {self.prefill_sizes[0]} exceeds the largest context size {self.context_sizes[-1]}"
@@ -93,17 +102,24 @@ class BucketConfig:
         """Requests of a batched prefill graph of chunks up to `query` tokens (1: no batching)."""
         return max(1, int(self.batch_tokens) // query)
 
-    def buckets(self) -> list[Bucket]:
-        """Every bucket compiled at start-up: decode (B, C) for all pairs, prefill (T, C) with T <= C."""
+    def buckets(self, drafting: bool = False) -> list[Bucket]:
+        """Every bucket compiled at start-up: decode (B, C) for all pairs, prefill (T, C) with T <= C,
+        and with spec_width the verify buckets (the draft buckets instead, for the drafter's graphs)."""
         out = [Bucket("decode", b, c) for c in self.context_sizes for b in self.decode_sizes]
         for c in self.context_sizes:
             for t in (t for t in self.prefill_sizes if t <= c):
                 out += [Bucket("prefill", t, c, n) for n in sorted({1, self.prefill_batch(t)})]
+        if self.spec_width:
+            kind = "draft" if drafting else "verify"
+            out += [Bucket(kind, b, c, width=self.spec_width) for c in self.context_sizes for b in self.decode_sizes]
         return out
 
-    def decode_bucket(self, n_seqs: int, context: int) -> Bucket | None:
+    def decode_bucket(self, n_seqs: int, context: int, kind: str = "decode") -> Bucket | None:
+        """The decode bucket (or, with kind "verify" / "draft", the spec_width one) of n_seqs requests."""
         b, c = _ceil_in(n_seqs, self.decode_sizes), _ceil_in(context, self.context_sizes)
-        return None if b is None or c is None else Bucket("decode", b, c)
+        if b is None or c is None:
+            return None
+        return Bucket(kind, b, c) if kind == "decode" else Bucket(kind, b, c, width=self.spec_width)
 
     def prefill_bucket(self, n_tokens: int, context: int, batch: int = 1) -> Bucket | None:
         """The bucket of `batch` (1 or prefill_batch) chunks of up to n_tokens, contexts up to `context`."""
@@ -124,38 +140,41 @@ class Bucket:
     """One compiled shape."""
 
     kind: str
-    """"decode" or "prefill"."""
+    """"decode", "prefill", "verify" or "draft"."""
     size: int
-    """Requests B (decode) or tokens per request Q (prefill)."""
+    """Requests B (decode, verify, draft) or tokens per request Q (prefill)."""
     context: int
     """Context positions C."""
     batch: int = 1
-    """Requests n of a prefill bucket (1 for decode)."""
+    """Requests n of a prefill bucket (1 for the others)."""
+    width: int = 1
+    """Tokens per request of a verify or draft bucket (1 for the others)."""
 
     @property
     def tokens(self) -> int:
         """Tokens of the padded flat batch."""
-        return self.size * self.batch
+        return self.size * (self.batch if self.kind == "prefill" else self.width)
 
     @property
     def seqs(self) -> int:
         """Requests of the padded batch."""
-        return self.size if self.kind == "decode" else self.batch
+        return self.batch if self.kind == "prefill" else self.size
 
     @property
     def query(self) -> int:
         """Longest query (Q axis)."""
-        return 1 if self.kind == "decode" else self.size
+        return self.size if self.kind == "prefill" else self.width
 
     @property
     def rows(self) -> int:
-        """Logits rows computed in the graph."""
-        return self.seqs
+        """Logits rows computed in the graph (every token of a verify bucket, else one per request)."""
+        return self.tokens if self.kind == "verify" else self.seqs
 
     def __str__(self) -> str:
-        if self.kind == "decode":
-            return f"decode[B={self.size},C={self.context}]"
-        return f"prefill[T={self.size},C={self.context}" + (f",n={self.batch}]" if self.batch > 1 else "]")
+        if self.kind == "prefill":
+            return f"prefill[T={self.size},C={self.context}" + (f",n={self.batch}]" if self.batch > 1 else "]")
+        width = f",W={self.width}" if self.kind in ("verify", "draft") else ""
+        return f"{self.kind}[B={self.size},C={self.context}{width}]"
 
 
 @dataclass
@@ -170,23 +189,29 @@ class Part:
     """Why it has no bucket (for the eager-fallback counters)."""
 
 
-def plan_step(q_lens, seq_lens, n_sample_rows, config: BucketConfig) -> list[Part]:
-    """Split a step (per request: query length, context length after the step, sampled rows) into parts."""
+def plan_step(q_lens, seq_lens, n_sample_rows, config: BucketConfig, drafting: bool = False) -> list[Part]:
+    """Split a step (per request: query length, context length after the step, sampled rows) into
+    parts. `drafting`: the drafter's step, whose requests of 2..spec_width tokens (one row each)
+    take draft buckets."""
     q_lens, seq_lens, n_rows = (np.asarray(a, np.int64) for a in (q_lens, seq_lens, n_sample_rows))
     parts: list[Part] = []
+    width = int(config.spec_width)
     single = [i for i in range(len(q_lens)) if q_lens[i] == 1 and n_rows[i] <= 1]
+    verify = [i for i in range(len(q_lens)) if 1 < n_rows[i] == q_lens[i] <= width]
+    draft = [i for i in range(len(q_lens)) if drafting and 1 < q_lens[i] <= width and n_rows[i] <= 1]
     biggest = config.decode_sizes[-1]
-    for k in range(0, len(single), biggest):
-        idx = single[k : k + biggest]
-        bucket = config.decode_bucket(len(idx), int(seq_lens[idx].max()))
-        parts.append(Part(idx, bucket, "" if bucket else f"context {int(seq_lens[idx].max())} > largest bucket"))
-    decodes = set(single)
+    for kind, members in (("decode", single), ("verify", verify), ("draft", draft)):
+        for k in range(0, len(members), biggest):
+            idx = members[k : k + biggest]
+            bucket = config.decode_bucket(len(idx), int(seq_lens[idx].max()), kind)
+            parts.append(Part(idx, bucket, "" if bucket else f"context {int(seq_lens[idx].max())} > largest bucket"))
+    decodes = set(single) | set(verify) | set(draft)
     groups: dict[tuple[int, int], list[int]] = {}  # (prefill size, context size) -> requests
     for i in range(len(q_lens)):
         if i in decodes or q_lens[i] == 0:
             continue
         if n_rows[i] > 1:
-            parts.append(Part([i], None, "several sampled rows (draft verification)"))
+            parts.append(Part([i], None, f"{int(n_rows[i])} sampled rows (draft verification) beyond spec_width"))
             continue
         bucket = config.prefill_bucket(int(q_lens[i]), int(seq_lens[i]))
         if bucket is None:

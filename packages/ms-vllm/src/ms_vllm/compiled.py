@@ -126,11 +126,11 @@ class CompiledSteps:
         return dict(self.compile_s)
 
 
-def _progress(items, enabled: bool):
+def _progress(items, enabled: bool, desc: str = "ms-vllm: compiling buckets"):
     if not enabled:
         return items
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency of vLLM
         return items
-    return tqdm(items, desc="ms-vllm: compiling buckets", unit="graph")
+    return tqdm(items, desc=desc, unit="graph")

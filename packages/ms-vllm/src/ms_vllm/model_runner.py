@@ -18,6 +18,7 @@ Per engine step:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -99,7 +100,7 @@ class MindSporeModelRunner:
         self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_caches(self.model, num_blocks + 1, self.block_size, flat=flat)
         if self.drafter is not None:
-            self.drafter.allocate(num_blocks + 1, self.block_size)
+            self.drafter.allocate(num_blocks + 1, self.block_size, flat=flat)
         logger.info("ms-vllm: %d KV blocks of %d tokens", num_blocks, self.block_size)
 
     # ------------------------------------------------------------------ request states
@@ -148,6 +149,8 @@ class MindSporeModelRunner:
             sched = getattr(self.vllm_config, "scheduler_config", None)
             max_seqs = int(getattr(sched, "max_num_seqs", 64) or 64)
             config = BucketConfig.default(max_seqs, self.max_model_len, self.block_size)
+        if self.drafter is not None and not config.spec_width:  # verify buckets for 1 + k tokens a request
+            config = dataclasses.replace(config, spec_width=self.drafter.k + 1)
         lora_shape = None
         if self.lora is not None:  # the graphs read the LoRA banks and token mask: size them first
             self.lora.reserve(max(b.tokens for b in config.buckets()))
@@ -157,9 +160,11 @@ class MindSporeModelRunner:
             path = use_compile_cache(cache_dir, key)
             logger.info("ms-vllm: compile cache in %s", path)
         steps = CompiledSteps(self.model, self.kv_caches, config, self.block_size, self.num_blocks)
-        times = steps.warm_up(progress)
+        steps.warm_up(progress)
+        if self.drafter is not None:  # the MTP module's graphs: drafting buckets of the same config
+            steps.compile_s.update(self.drafter.compile(config, self.block_size, self.num_blocks, progress))
         self.compiled = steps
-        return times
+        return dict(steps.compile_s)
 
     # ------------------------------------------------------------------ forward
     def run_model(self, batch: StepBatch, need_hidden: bool = False):

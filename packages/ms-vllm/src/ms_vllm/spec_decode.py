@@ -13,7 +13,8 @@ holds every position it will attend to. The draft is the argmax of the MTP logit
 those positions; for k > 1 the module is chained on its own output hidden state and draft token
 (module d % n_mtp at depth d, vLLM's reuse of one module for deeper drafts). The batch builder
 (batch.build_draft_batch) derives these inputs from the step's batch; the drafter only runs the
-MTP module over them (eagerly: it is not compiled yet).
+MTP module over them: compiled (compiled_mtp.py: the batch cut into the same shape buckets as the
+target's steps) once `compile` ran, else eagerly, and a part that fits no bucket eagerly too.
 """
 
 from __future__ import annotations
@@ -37,17 +38,28 @@ class MTPDrafter:
         self.layers = layers
         self.k = int(speculative_config.num_speculative_tokens)
         self.caches: list | None = None
+        self.compiled = None
+        """compiled_mtp.CompiledDrafter once compile() ran; None: every draft runs eagerly."""
         self.num_drafts = 0
         """Drafts proposed so far (the scheduler counts the accepted ones)."""
+        self.calls = {"compiled": 0, "eager": 0}
+        """MTP module calls, compiled and eager."""
 
     def cache_shapes(self, num_blocks: int, block_size: int) -> list:
         return [layer.self_attn.cache_shapes(num_blocks, block_size) for layer in self.layers]
 
-    def allocate(self, num_blocks: int, block_size: int) -> None:
-        self.caches = self.model.allocate_mtp_kv_caches(num_blocks, block_size)
+    def allocate(self, num_blocks: int, block_size: int, flat: bool = False) -> None:
+        self.caches = self.model.allocate_mtp_kv_caches(num_blocks, block_size, flat=flat)
+
+    def compile(self, config, block_size: int, scratch_block: int, progress: bool = True) -> dict[str, float]:
+        """Compile the modules' drafting buckets (needs the flat caches) -> seconds per bucket."""
+        from .compiled_mtp import CompiledDrafter
+
+        self.compiled = CompiledDrafter(self.model, self.layers, self.caches, config, block_size, scratch_block)
+        return self.compiled.warm_up(progress)
 
     def _run(self, depth: int, ids, positions, hidden, slots, tables, seq_lens, starts, block_size):
-        """One MTP module over a flat batch -> (its output hidden states, MindSpore tensor)."""
+        """One MTP module over a flat batch, eagerly -> (its output hidden states, MindSpore tensor)."""
         from mindspore import Tensor
 
         from ms_models import PagedMetadata
@@ -67,6 +79,44 @@ class MTPDrafter:
         logits = self.model.compute_logits(layer.shared_head(x[Tensor(rows.astype(np.int32))]))
         return logits.asnumpy().argmax(-1)
 
+    def _forward(self, depth, ids, positions, hidden, slots, tables, seq_lens, starts, has_row, block_size):
+        """The module of `depth` over a flat batch of requests (query `starts`), in compiled parts
+        where they fit a bucket -> (draft token of each request with has_row, in order; the
+        module's hidden state at those rows [n, H])."""
+        from mindspore import Tensor
+
+        parts = self.compiled.plan(starts, seq_lens, has_row) if self.compiled else None
+        if parts is None:
+            from .buckets import Part
+
+            parts = [Part(list(range(len(seq_lens))), None)]
+        tokens, rows_out = {}, {}
+        for part in parts:
+            reqs = np.asarray(part.requests, np.int64)
+            spans = [np.arange(starts[i], starts[i + 1]) for i in reqs]
+            flat = np.concatenate(spans).astype(np.int64) if spans else np.zeros(0, np.int64)
+            sub_starts = np.concatenate([[0], np.cumsum([len(x) for x in spans])]).astype(np.int32)
+            drafting = [j for j, i in enumerate(reqs) if has_row[i]]
+            local = np.asarray([sub_starts[j + 1] - 1 for j in drafting], np.int32)
+            args = (ids[flat], positions[flat], hidden[Tensor(flat.astype(np.int32))], slots[flat], tables[reqs],
+                    seq_lens[reqs], sub_starts)  # fmt: skip
+            if part.bucket is None:
+                self.calls["eager"] += 1
+                x = self._run(depth, *args, block_size)
+                toks = self._draft(depth, x, local) if len(local) else np.zeros(0, np.int64)
+            else:
+                self.calls["compiled"] += 1
+                toks, x = self.compiled.run(depth % len(self.layers), part.bucket, *args, local)
+            for j, t, r in zip(drafting, toks, local):
+                tokens[int(reqs[j])], rows_out[int(reqs[j])] = int(t), x[int(r) : int(r) + 1]
+        order = sorted(tokens)
+        hidden_out = None
+        if order:
+            from mindspore import ops
+
+            hidden_out = ops.cat([rows_out[i] for i in order], 0)
+        return [tokens[i] for i in order], hidden_out
+
     def propose(self, draft: DraftBatch, hidden, block_size: int):
         """(req_ids, drafts) for the requests that got tokens this step, from the batch builder's
         DraftBatch and the step's hidden states; the MTP caches are updated for every position
@@ -75,41 +125,35 @@ class MTPDrafter:
 
         if not draft.hidden_rows.size:
             return None
-        x = self._run(
-            0,
-            draft.input_ids,
-            draft.positions,
-            hidden[Tensor(draft.hidden_rows)],
-            draft.slot_mapping,
-            draft.block_tables,
-            draft.seq_lens,
-            draft.query_start_loc,
-            block_size,
-        )
+        starts = draft.query_start_loc
+        ends = set((draft.last_rows + 1).tolist())  # a drafting request's last row ends its query
+        has_row = np.asarray([starts[i + 1] > starts[i] and int(starts[i + 1]) in ends for i in range(len(starts) - 1)])
+        step_hidden = hidden[Tensor(draft.hidden_rows)]
+        first, last_hidden = self._forward(
+            0, draft.input_ids, draft.positions, step_hidden, draft.slot_mapping, draft.block_tables,
+            draft.seq_lens, starts, has_row, block_size,
+        )  # fmt: skip
         if not draft.owners:
             return None
-        last = draft.last_rows
-        drafts = [[int(t)] for t in self._draft(0, x, last)]
-        self._chain(draft.owner_blocks, draft.positions[last], x, last, drafts, block_size)
+        drafts = [[t] for t in first]
+        self._chain(draft.owner_blocks, draft.positions[draft.last_rows], last_hidden, drafts, block_size)
         self.num_drafts += sum(len(d) for d in drafts)
         return draft.owners, drafts
 
-    def _chain(self, blocks, last_pos, x, last_rows, drafts, bs: int) -> None:
+    def _chain(self, blocks, last_pos, hidden, drafts, bs: int) -> None:
         """Depths 1..k-1: feed each draft and the previous depth's hidden state back in."""
-        from mindspore import Tensor
-
-        hidden = x[Tensor(last_rows.astype(np.int32))]
+        n = len(blocks)
         for depth in range(1, self.k):
             pos = last_pos + depth
             if any(p // bs >= len(b) for p, b in zip(pos, blocks)):
                 return  # no reserved slot for the deeper draft: propose fewer
             width = max(len(b) for b in blocks)
-            tables = np.zeros((len(blocks), width), np.int32)
+            tables = np.zeros((n, width), np.int32)
             for i, b in enumerate(blocks):
                 tables[i, : len(b)] = b
             slots = np.asarray([b[p // bs] * bs + p % bs for p, b in zip(pos, blocks)])
             toks = np.asarray([d[-1] for d in drafts])
-            n = len(blocks)
-            hidden = self._run(depth, toks, pos, hidden, slots, tables, pos + 1, np.arange(n + 1), bs)
-            for d, t in zip(drafts, self._draft(depth, hidden, np.arange(n))):
+            new, hidden = self._forward(depth, toks, pos, hidden, slots, tables, pos + 1, np.arange(n + 1),
+                                        np.ones(n, bool), bs)  # fmt: skip
+            for d, t in zip(drafts, new):
                 d.append(int(t))

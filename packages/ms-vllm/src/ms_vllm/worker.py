@@ -193,6 +193,9 @@ class MindSporeWorker(WorkerBase):
         with `compile_s`: seconds per compiled bucket ({} when the steps run eagerly)."""
         stats = dict(self.runner.stats)
         stats["eager_reasons"] = dict(stats["eager_reasons"])
+        if self.runner.drafter is not None:
+            calls = self.runner.drafter.calls
+            stats["draft_compiled_calls"], stats["draft_eager_calls"] = calls["compiled"], calls["eager"]
         stats["compile_s"] = dict(self.runner.compiled.compile_s) if self.runner.compiled is not None else {}
         return stats
 

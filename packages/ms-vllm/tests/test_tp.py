@@ -1,6 +1,7 @@
 """Tensor and expert parallel through vllm.LLM: 2 worker processes (vLLM's mp executor, ms_layout.comm
 gloo collectives) give the same greedy tokens as one process, with prefix caching and chunked
-prefill on. Both 2-rank engines start in one interpreter (about 1-2 minutes each on a busy 2-core box)."""
+prefill on, compiled (graphs between the collectives, compiled_tp.py) and eager. The 2-rank
+engines start in one interpreter (about 1-2 minutes each on a busy 2-core box)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ PROMPTS = [
 ]
 FOLLOW_UP = SHARED + [101, 102, 103]
 FEATURES = dict(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=16)
+# compiled on 3 buckets (each runs 2L + 2 graphs between the collectives)
+COMPILED = dict(
+    enforce_eager=False,
+    additional_config={"compile": {"decode_sizes": [1, 4], "prefill_sizes": [16], "context_sizes": [96],
+                                   "batch_tokens": 0}},
+)  # fmt: skip
 
 
 def generate(*jobs: tuple[Path, dict]) -> list[dict]:
@@ -40,11 +47,12 @@ def generate(*jobs: tuple[Path, dict]) -> list[dict]:
 @pytest.fixture(scope="module")
 def tp_runs(tiny_dirs):
     """Both models' 2-rank engines, one after the other in one interpreter."""
-    llama, deepseek = generate(
-        (tiny_dirs["llama"], dict(tensor_parallel_size=2, **FEATURES)),
-        (tiny_dirs["deepseek_v3"], dict(tensor_parallel_size=2, enable_expert_parallel=True, **FEATURES)),
+    llama, llama_eager, deepseek = generate(
+        (tiny_dirs["llama"], dict(tensor_parallel_size=2, **FEATURES, **COMPILED)),
+        (tiny_dirs["llama"], dict(tensor_parallel_size=2, **FEATURES, enforce_eager=True)),
+        (tiny_dirs["deepseek_v3"], dict(tensor_parallel_size=2, enable_expert_parallel=True, **FEATURES, **COMPILED)),
     )
-    return {"llama": llama, "deepseek_v3": deepseek}
+    return {"llama": llama, "llama eager": llama_eager, "deepseek_v3": deepseek}
 
 
 def check_tokens(out, arch, reference):
@@ -53,10 +61,14 @@ def check_tokens(out, arch, reference):
     assert out["cached"] == 12  # the shared prefix's three blocks were reused across ranks
 
 
-def test_llama_tp2_matches_one_process(tp_runs, reference):
-    out = tp_runs["llama"]
+@pytest.mark.parametrize("run", ["llama", "llama eager"])
+def test_llama_tp2_matches_one_process(run, tp_runs, reference):
+    out = tp_runs[run]
     check_tokens(out, "llama", reference)
     shards = out["shards"]
+    assert all(s["compiled"] == (run == "llama") for s in shards)
+    if run == "llama":  # every step of both ranks ran the compiled segments
+        assert out["eager_calls"] == [0, 0] and min(out["compiled_calls"]) > 0
     assert [s["rank"] for s in shards] == [0, 1]
     # Each rank caches 1 of the 2 kv heads; each holds about half of the weights (norms replicated).
     assert all(s["kv_cache_shape"][2:] == [1, 16] for s in shards)
@@ -66,6 +78,8 @@ def test_llama_tp2_matches_one_process(tp_runs, reference):
 def test_deepseek_tp2_ep2_matches_one_process(tp_runs, reference):
     out = tp_runs["deepseek_v3"]
     check_tokens(out, "deepseek_v3", reference)
+    assert all(s["compiled"] for s in out["shards"])
+    assert out["eager_calls"] == [0, 0] and min(out["compiled_calls"]) > 0
     # MLA's latent cache (kv_lora_rank 16 + rope 8) is replicated: every rank's heads read all of it.
     assert all(s["kv_cache_shape"][2:] == [24] for s in out["shards"])
 

@@ -4,7 +4,8 @@ A separate process because vLLM forks its tensor-parallel workers, which is only
 process that has not loaded MindSpore (the test process has: it computes the reference).
 argv[1] is a JSON list of jobs {"model", "prompts", "follow_up", "n", "llm": {LLM kwargs}}, run one
 engine after the other (one interpreter: importing vLLM costs ~20 s of CPU here); the last stdout
-line is the JSON list of their results {"tokens", "follow_up", "cached", "shards"}."""
+line is the JSON list of their results {"tokens", "follow_up", "cached", "shards", "eager_calls",
+"compiled_calls"} (the last two per rank)."""
 
 from __future__ import annotations
 
@@ -24,13 +25,14 @@ def generate(job: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     args = dict(max_model_len=96, block_size=4, max_num_seqs=8, kv_cache_memory_bytes=4 << 20, seed=0)
-    args.update(job["llm"], enforce_eager=True)
+    args.update(job["llm"])
     llm = LLM(model=job["model"], **args)
     greedy = SamplingParams(max_tokens=job["n"], temperature=0.0, ignore_eos=True)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], greedy, use_tqdm=False)
         follow = llm.generate([{"prompt_token_ids": job["follow_up"]}], greedy, use_tqdm=False)[0]
         shards = llm.collective_rpc("ms_vllm_shard_info")
+        stats = llm.collective_rpc("ms_vllm_stats")
     finally:
         llm.llm_engine.engine_core.shutdown()
     result = {
@@ -38,6 +40,8 @@ def generate(job: dict) -> dict:
         "follow_up": list(follow.outputs[0].token_ids),
         "cached": follow.num_cached_tokens or 0,
         "shards": shards,
+        "eager_calls": [st["eager_calls"] for st in stats],
+        "compiled_calls": [st["compiled_calls"] for st in stats],
     }
     return result
 

@@ -49,9 +49,11 @@ def _stops(state: RequestState, token: int, max_model_len: int) -> bool:
 class MindSporeModelRunner:
     """Request states, the paged KV cache and the step loop of one worker."""
 
-    def __init__(self, vllm_config, model, multi_step: int = 1, drafter=None, lora=None):
+    def __init__(self, vllm_config, model, multi_step: int = 1, drafter=None, lora=None, group=None):
         self.vllm_config = vllm_config
         self.model = model
+        self.group = group
+        """The tensor/expert-parallel group of a sharded model (tp_model.py), None in one process."""
         self.block_size = vllm_config.cache_config.block_size
         self.max_model_len = vllm_config.model_config.max_model_len
         # The full vocabulary (under TP the model's own config holds one rank's slice of it).
@@ -142,6 +144,7 @@ class MindSporeModelRunner:
         """Compile the buckets (default: BucketConfig.default for this engine) -> seconds per bucket.
         With `cache_dir`, MindSpore's compile cache keeps the graphs on disk for the next start."""
         from .compiled import CompiledSteps, cache_key, use_compile_cache
+        from .compiled_tp import CompiledTPSteps
 
         if self.kv_caches is None:
             raise RuntimeError("compile() needs the KV cache: call initialize_kv_cache first")
@@ -156,10 +159,14 @@ class MindSporeModelRunner:
             self.lora.reserve(max(b.tokens for b in config.buckets()))
             lora_shape = (self.lora.max_loras, self.lora.max_rank, self.lora.max_tokens)
         if cache_dir:
-            key = cache_key(self.model, config, self.num_blocks, self.block_size, lora_shape)
+            tp = None if self.group is None else (self.group.rank, self.group.size)
+            key = cache_key(self.model, config, self.num_blocks, self.block_size, (lora_shape, tp))
             path = use_compile_cache(cache_dir, key)
             logger.info("ms-vllm: compile cache in %s", path)
-        steps = CompiledSteps(self.model, self.kv_caches, config, self.block_size, self.num_blocks)
+        if self.group is None:
+            steps = CompiledSteps(self.model, self.kv_caches, config, self.block_size, self.num_blocks)
+        else:  # graphs between the collectives
+            steps = CompiledTPSteps(self.model, self.kv_caches, config, self.block_size, self.num_blocks, self.group)
         steps.warm_up(progress)
         if self.drafter is not None:  # the MTP module's graphs: drafting buckets of the same config
             steps.compile_s.update(self.drafter.compile(config, self.block_size, self.num_blocks, progress))
@@ -213,7 +220,12 @@ class MindSporeModelRunner:
             if part.bucket is None:
                 reasons = self.stats["eager_reasons"]
                 reasons[part.reason] = reasons.get(part.reason, 0) + 1
-                lg, h = self._eager(sub)
+                if self.group is None:
+                    lg, h = self._eager(sub)
+                else:  # the TP cells no longer communicate: the segments at this part's own shape
+                    self.stats["forwards"] += 1
+                    self.stats["eager_calls"] += 1
+                    lg, h = self.compiled.run_exact(sub)
             else:
                 self.stats["forwards"] += 1
                 self.stats["compiled_calls"] += 1

@@ -13,8 +13,10 @@ ms_layout.comm group (gloo on CPU) on numpy arrays:
     vocab-parallel embedding          rows outside the rank's vocabulary slice are zero; all-reduce
     vocab-parallel LM head            local logits, all-gather along the vocabulary
 
-Per decoder layer that is two all-reduces of [tokens, hidden], as in Megatron-LM. The forward runs
-in PyNative (the paged cache writes need it), so a collective is a host call between two ops.
+Per decoder layer that is two all-reduces of [tokens, hidden], as in Megatron-LM. Run eagerly
+(`enforce_eager`), a collective is a host call between two ops; compiled, the cells are switched to
+`defer` mode (`defer_collectives`) and return their partial sums, and compiled_tp.py runs the
+graphs between the collectives and the collectives themselves.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ def all_reduce(x: Tensor, group) -> Tensor:
 class RowParallelLinear(nn.Cell):
     """y = all_reduce(x_local W_local^T) + b: W split along its input dim, b added once after the sum."""
 
+    defer = False
+    """True: return the partial sum x_local W_local^T (the caller all-reduces and adds the bias)."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool, group):
         super().__init__()
         self.in_features, self.out_features, self.group = in_features, out_features, group
@@ -55,12 +60,18 @@ class RowParallelLinear(nn.Cell):
         return cls(linear.in_features, linear.out_features, linear.bias is not None, group)
 
     def construct(self, x):
-        y = all_reduce(linear(x, self.weight), self.group)
+        y = linear(x, self.weight)
+        if self.defer:
+            return y
+        y = all_reduce(y, self.group)
         return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Cell):
     """Rows [rank * V/tp, (rank + 1) * V/tp) of the table; other ids read zeros, the all-reduce fills them."""
+
+    defer = False
+    """True: return this rank's rows only (the caller all-reduces)."""
 
     def __init__(self, rows: int, hidden: int, rank: int, group):
         super().__init__()
@@ -71,7 +82,8 @@ class VocabParallelEmbedding(nn.Cell):
         local = ids - self.start
         mine = ops.logical_and(local >= 0, local < self.rows)
         x = ops.gather(self.weight, ops.where(mine, local, ops.zeros_like(local)), 0)
-        return all_reduce(x * mine.expand_dims(-1).astype(x.dtype), self.group)
+        x = x * mine.expand_dims(-1).astype(x.dtype)
+        return x if self.defer else all_reduce(x, self.group)
 
 
 class ParallelMoE(nn.Cell):
@@ -80,6 +92,9 @@ class ParallelMoE(nn.Cell):
 
     Keeps the attribute names of ms-models' MoE (gate, experts, shared_experts), so the parameter
     names, and with them the checkpoint names, stay the same."""
+
+    defer = False
+    """True: return the partial sum (the caller all-reduces)."""
 
     def __init__(self, moe, full_config, plan: ShardPlan, group):
         super().__init__()
@@ -116,7 +131,15 @@ class ParallelMoE(nn.Cell):
         out = routed.reshape(shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return all_reduce(out, self.group)
+        return out if self.defer else all_reduce(out, self.group)
+
+
+def defer_collectives(model) -> None:
+    """Switch every communicating cell of a TP model to return its partial sum (compiled_tp.py then
+    runs the collectives between graphs); the model's own forward no longer communicates after this."""
+    for _, cell in model.cells_and_names():
+        if isinstance(cell, (RowParallelLinear, VocabParallelEmbedding, ParallelMoE)):
+            cell.defer = True
 
 
 def local_config(config, plan: ShardPlan):
@@ -223,6 +246,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "all_reduce",
     "build_tp_model",
+    "defer_collectives",
     "local_config",
     "read_shards",
     "shard_cells",

@@ -31,8 +31,6 @@ def compile_disabled_reason(vllm_config) -> str:
     """Why this engine's steps run eagerly ("" when they are compiled)."""
     if vllm_config.model_config.enforce_eager:
         return "enforce_eager"
-    if vllm_config.parallel_config.world_size > 1:
-        return "tensor/expert parallel (the collectives run on torch gloo, outside MindSpore graphs)"
     return ""
 
 
@@ -105,7 +103,7 @@ class MindSporeWorker(WorkerBase):
             tokens = int(self.vllm_config.scheduler_config.max_num_batched_tokens)
             lora = LoRAManager(model, cfg.max_loras, cfg.max_lora_rank, max_tokens=tokens)
         self.runner = MindSporeModelRunner(
-            self.vllm_config, model, multi_step_from(self.vllm_config), drafter=drafter, lora=lora
+            self.vllm_config, model, multi_step_from(self.vllm_config), drafter=drafter, lora=lora, group=self.group
         )
         self.model_wrapper = wrapper
 
@@ -202,14 +200,16 @@ class MindSporeWorker(WorkerBase):
     def ms_vllm_shard_info(self) -> dict:
         """What this rank holds (`llm.collective_rpc("ms_vllm_shard_info")`): its rank, parameter
         elements and the shape of layer 0's KV cache tensors."""
-        model = self.runner.model
-        caches = self.runner.kv_caches[0]
-        first = caches[0] if isinstance(caches, tuple) else caches
+        runner = self.runner
+        model = runner.model
+        # the [blocks, block_size, ...] shape of layer 0's first cache tensor, whatever its layout
+        first = model.kv_cache_shapes(runner.num_blocks + 1, runner.block_size)[0][0]
         return {
             "rank": self.rank,
             "world_size": self.parallel_config.world_size,
             "params": int(model.num_params()),
-            "kv_cache_shape": tuple(int(d) for d in first.shape),
+            "kv_cache_shape": tuple(int(d) for d in first),
+            "compiled": runner.compiled is not None,
         }
 
     # ------------------------------------------------------------------ LoRA

@@ -94,36 +94,59 @@ class CompiledSteps:
 
     def run(self, batch: StepBatch, bucket: Bucket):
         """(logits of the part's sample rows [R_real, V], hidden [T_real, H]) of one part, compiled."""
-        from mindspore import Tensor
-
-        from ms_models import PagedMetadata
-
-        rows = batch.logits_indices
-        p = pad_part(
-            batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens,
-            batch.query_start_loc, rows, bucket, self.scratch_block, self.block_size,
-        )  # fmt: skip
-        meta = PagedMetadata.build(
-            p.positions, p.slot_mapping, p.block_tables, p.seq_lens, p.query_start_loc, self.block_size,
-            query_len=bucket.query, context_len=bucket.context,
-        )  # fmt: skip
-        logits, hidden = self._graph(Tensor(p.input_ids), Tensor(p.positions), Tensor(p.logits_rows), *meta.tensors())
-        return logits[: len(rows)], hidden[: len(batch.input_ids)]
+        ids, positions, rows, meta = batch_inputs(batch, bucket, self.scratch_block, self.block_size)
+        logits, hidden = self._graph(ids, positions, rows, *meta)
+        return logits[: batch.logits_indices.size], hidden[: len(batch.input_ids)]
 
     def warm_up(self, progress: bool = True) -> dict[str, float]:
         """Compile every bucket (on all-padding batches: only the scratch block is written)."""
         buckets = self.config.buckets()
-        bar = _progress(buckets, progress)
-        for bucket in bar:
-            none = np.zeros(0, np.int32)
-            empty = StepBatch([], none, none, none, np.zeros((0, 1), np.int32), none, np.zeros(1, np.int32), [], [])
-            t = time.perf_counter()
-            logits, _ = self.run(empty, bucket)
-            logits.asnumpy()
-            self.compile_s[str(bucket)] = round(time.perf_counter() - t, 3)
-        total = sum(self.compile_s.values())
-        logger.info("ms-vllm: compiled %d buckets in %.1f s", len(buckets), total)
+        self.compile_s.update(compile_each(buckets, lambda b: self.run(empty_batch(), b)[0], progress))
+        logger.info("ms-vllm: compiled %d buckets in %.1f s", len(buckets), sum(self.compile_s.values()))
         return dict(self.compile_s)
+
+
+def padded_inputs(ids, positions, slots, tables, seq_lens, starts, rows, bucket: Bucket, scratch_block: int,
+                  block_size: int):  # fmt: skip
+    """A part's flat inputs padded to `bucket` (padding writes only `scratch_block`), as every
+    compiled graph takes them: (ids, positions, logits rows) tensors and the PagedMetadata tensors."""
+    from mindspore import Tensor
+
+    from ms_models import PagedMetadata
+
+    p = pad_part(ids, positions, slots, tables, seq_lens, starts, rows, bucket, scratch_block, block_size)
+    meta = PagedMetadata.build(
+        p.positions, p.slot_mapping, p.block_tables, p.seq_lens, p.query_start_loc, block_size,
+        query_len=bucket.query, context_len=bucket.context,
+    )  # fmt: skip
+    return Tensor(p.input_ids), Tensor(p.positions), Tensor(p.logits_rows), meta.tensors()
+
+
+def batch_inputs(batch: StepBatch, bucket: Bucket, scratch_block: int, block_size: int):
+    """padded_inputs of one StepBatch."""
+    return padded_inputs(
+        batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens,
+        batch.query_start_loc, batch.logits_indices, bucket, scratch_block, block_size,
+    )  # fmt: skip
+
+
+def empty_batch() -> StepBatch:
+    """A batch of no request: run in a bucket, it is all padding (the warm-up's compiling call)."""
+    none = np.zeros(0, np.int32)
+    return StepBatch([], none, none, none, np.zeros((0, 1), np.int32), none, np.zeros(1, np.int32), [], [])
+
+
+def compile_each(items, run, progress: bool, desc: str = "ms-vllm: compiling buckets") -> dict[str, float]:
+    """Call run(item) for every item (the first call of a graph compiles it), waiting on what it
+    returns: {str(item): seconds}."""
+    out = {}
+    for item in _progress(items, progress, desc):
+        t = time.perf_counter()
+        result = run(item)
+        if hasattr(result, "asnumpy"):
+            result.asnumpy()
+        out[str(item)] = round(time.perf_counter() - t, 3)
+    return out
 
 
 def _progress(items, enabled: bool, desc: str = "ms-vllm: compiling buckets"):

@@ -12,13 +12,11 @@ bucket; a part that fits none runs the eager path (spec_decode.py) and is counte
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 from mindspore import int32, jit, nn, ops
 
-from .buckets import Bucket, BucketConfig, pad_part, plan_step
-from .compiled import _progress
+from .buckets import Bucket, BucketConfig, plan_step
+from .compiled import compile_each, padded_inputs
 
 
 class MTPGraph(nn.Cell):
@@ -58,21 +56,14 @@ class CompiledDrafter:
     def run(self, module: int, bucket: Bucket, ids, positions, hidden, slots, tables, seq_lens, starts, rows):
         """(draft tokens of `rows` [len(rows)] numpy, hidden out [T, H]) of one part, compiled;
         `hidden` [T, H] is a MindSpore tensor of the part's real tokens."""
-        from mindspore import Tensor
-
-        from ms_models import PagedMetadata
-
         t = len(ids)
-        p = pad_part(ids, positions, slots, tables, seq_lens, starts, rows, bucket, self.scratch_block, self.block_size)
-        meta = PagedMetadata.build(
-            p.positions, p.slot_mapping, p.block_tables, p.seq_lens, p.query_start_loc, self.block_size,
-            query_len=bucket.query, context_len=bucket.context,
-        )  # fmt: skip
+        ids_t, pos_t, rows_t, meta = padded_inputs(
+            ids, positions, slots, tables, seq_lens, starts, rows, bucket, self.scratch_block, self.block_size
+        )
         pad = bucket.tokens - t
         if pad:  # padding tokens take hidden zeros (they write only the scratch block)
             hidden = ops.cat((hidden, ops.zeros((pad, self.hidden_size), hidden.dtype)), 0)
-        tokens, x = self.graphs[module](Tensor(p.input_ids), Tensor(p.positions), hidden, Tensor(p.logits_rows),
-                                        *meta.tensors())  # fmt: skip
+        tokens, x = self.graphs[module](ids_t, pos_t, hidden, rows_t, *meta)
         return tokens.asnumpy()[: len(rows)], x[:t]
 
     def plan(self, starts: np.ndarray, seq_lens: np.ndarray, has_row: np.ndarray):
@@ -83,12 +74,10 @@ class CompiledDrafter:
         """Compile every (module, drafting bucket) on all-padding batches (only the scratch block is written)."""
         from mindspore import Tensor
 
-        buckets = self.config.buckets(drafting=True)
-        work = [(k, b) for k in range(len(self.graphs)) for b in buckets]
-        none = np.zeros(0, np.int32)
-        for k, bucket in _progress(work, progress, "ms-vllm: compiling MTP buckets"):
-            t = time.perf_counter()
-            empty = Tensor(np.zeros((0, self.hidden_size), np.float32))
-            self.run(k, bucket, none, none, empty, none, np.zeros((0, 1), np.int32), none, np.zeros(1, np.int32), none)
-            self.compile_s[f"mtp{k}:{bucket}"] = round(time.perf_counter() - t, 3)
+        none, empty = np.zeros(0, np.int32), Tensor(np.zeros((0, self.hidden_size), np.float32))
+        tables, starts = np.zeros((0, 1), np.int32), np.zeros(1, np.int32)
+        for k in range(len(self.graphs)):
+            run = lambda b, k=k: self.run(k, b, none, none, empty, none, tables, none, starts, none)  # noqa: E731
+            times = compile_each(self.config.buckets(drafting=True), run, progress, "ms-vllm: compiling MTP buckets")
+            self.compile_s.update({f"mtp{k}:{name}": s for name, s in times.items()})
         return dict(self.compile_s)

@@ -22,16 +22,14 @@ compile for it then) and is counted as eager.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 from mindspore import ParameterTuple, Tensor, jit, nn, ops
 
 from ms_models import linear
 
 from .batch import StepBatch
-from .buckets import Bucket, BucketConfig, pad_part
-from .compiled import _progress
+from .buckets import Bucket, BucketConfig
+from .compiled import batch_inputs, compile_each, empty_batch
 from .tp_model import RowParallelLinear, all_reduce, defer_collectives
 
 
@@ -144,19 +142,9 @@ class CompiledTPSteps:
 
     def run(self, batch: StepBatch, bucket: Bucket):
         """(logits of the part's sample rows [R_real, V], hidden [T_real, H]) of one part, compiled."""
-        from ms_models import PagedMetadata
-
-        rows = batch.logits_indices
-        p = pad_part(
-            batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens,
-            batch.query_start_loc, rows, bucket, self.scratch_block, self.block_size,
-        )  # fmt: skip
-        meta = PagedMetadata.build(
-            p.positions, p.slot_mapping, p.block_tables, p.seq_lens, p.query_start_loc, self.block_size,
-            query_len=bucket.query, context_len=bucket.context,
-        )  # fmt: skip
-        logits, hidden = self._forward(Tensor(p.input_ids), Tensor(p.positions), Tensor(p.logits_rows), meta.tensors())
-        return logits[: len(rows)], hidden[: len(batch.input_ids)]
+        ids, positions, rows, meta = batch_inputs(batch, bucket, self.scratch_block, self.block_size)
+        logits, hidden = self._forward(ids, positions, rows, meta)
+        return logits[: batch.logits_indices.size], hidden[: len(batch.input_ids)]
 
     def run_exact(self, batch: StepBatch):
         """A part no bucket fits: the same segments at its own shape (they compile for it)."""
@@ -174,11 +162,6 @@ class CompiledTPSteps:
     def warm_up(self, progress: bool = True) -> dict[str, float]:
         """Compile every bucket's segments on all-padding batches (only the scratch block is written);
         every rank runs the same buckets in the same order, so the collectives pair up."""
-        for bucket in _progress(self.config.buckets(), progress):
-            none = np.zeros(0, np.int32)
-            empty = StepBatch([], none, none, none, np.zeros((0, 1), np.int32), none, np.zeros(1, np.int32), [], [])
-            t = time.perf_counter()
-            logits, _ = self.run(empty, bucket)
-            logits.asnumpy()
-            self.compile_s[str(bucket)] = round(time.perf_counter() - t, 3)
+        run = lambda bucket: self.run(empty_batch(), bucket)[0]  # noqa: E731
+        self.compile_s.update(compile_each(self.config.buckets(), run, progress))
         return dict(self.compile_s)

@@ -117,7 +117,10 @@ def test_bad_adapter_is_refused(tmp_path, tiny_dirs):
     assert manager.list() == set()
 
 
-def test_slots_are_reused_and_bad_targets_leave_the_banks_alone(tmp_path, tiny_dirs):
+def test_slots_are_reused_least_recently_used_first_and_bad_adapters_are_refused(tmp_path, tiny_dirs):
+    """More adapters than slots over time: a batch loads what it uses, evicting the least recently
+    used adapter it does not use; a batch needing more than max_loras adapters, an adapter never
+    added and an adapter targeting a layer LoRA does not adapt are refused, naming them."""
     import mindspore as ms
     from safetensors.numpy import load_file, save_file
 
@@ -126,34 +129,46 @@ def test_slots_are_reused_and_bad_targets_leave_the_banks_alone(tmp_path, tiny_d
 
     ms.set_device("CPU")
     model = from_pretrained(tiny_dirs["llama"])
-    first, _ = write_adapter(tmp_path / "a", model, seed=4, rank=2, alpha=2.0)
-    write_adapter(tmp_path / "b", model, seed=5, rank=2, alpha=2.0)
+    tensors = {name: write_adapter(tmp_path / name, model, seed=4 + i, rank=2, alpha=2.0)[0] for i, name in
+               enumerate("abc")}  # fmt: skip
     head = tmp_path / "head"  # the adapter "b" plus the LM head, which LoRA does not adapt
-    (head).mkdir()
+    head.mkdir()
     (head / "adapter_config.json").write_text((tmp_path / "b" / "adapter_config.json").read_text())
-    tensors = load_file(str(tmp_path / "b" / "adapter_model.safetensors"))
-    tensors["base_model.model.lm_head.lora_A.weight"] = np.zeros((2, 64), np.float32)
-    tensors["base_model.model.lm_head.lora_B.weight"] = np.zeros((320, 2), np.float32)
-    save_file(tensors, str(head / "adapter_model.safetensors"))
-    manager = LoRAManager(model, max_loras=1, max_rank=4)
+    bad = load_file(str(tmp_path / "b" / "adapter_model.safetensors"))
+    bad["base_model.model.lm_head.lora_A.weight"] = np.zeros((2, 64), np.float32)
+    bad["base_model.model.lm_head.lora_B.weight"] = np.zeros((320, 2), np.float32)
+    save_file(bad, str(head / "adapter_model.safetensors"))
+    manager = LoRAManager(model, max_loras=2, max_rank=4)
 
     def req(lora_id, name):
         return type("Req", (), {"lora_int_id": lora_id, "lora_name": name, "lora_path": str(tmp_path / name)})
 
-    manager.add(req(1, "a"))
-    q = manager.wrapped["model.layers.0.self_attn.q_proj"]
-    bank = q.lora_a.asnumpy().copy()
-    np.testing.assert_array_equal(bank[:2], first["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"])
-    assert not bank[2:].any()  # rank 2 of 4: the slot's other rows stay zero
-    with pytest.raises(LoRAError, match="max_loras=1"):
-        manager.add(req(2, "b"))
-    manager.remove(1)
-    with pytest.raises(LoRAError, match="'lm_head'"):
-        manager.add(req(3, "head"))
-    np.testing.assert_array_equal(q.lora_a.asnumpy(), bank)  # refused before anything was written
-    manager.add(req(2, "b"))  # the freed slot, overwritten
-    assert manager.adapters[2].slot == 0 and not np.array_equal(q.lora_a.asnumpy(), bank)
-    untouched = manager.wrapped["model.layers.0.self_attn.k_proj"]  # targeted by neither adapter
+    def slot_a(lora_id):  # q_proj's A rows of the adapter's slot in layer 0
+        slot = manager.adapters[lora_id].slot
+        return manager.wrapped["model.layers.0.self_attn.q_proj"].lora_a.asnumpy()[4 * slot : 4 * slot + 4]
+
+    q_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    for i, name in enumerate("abc"):
+        assert manager.add(req(i + 1, name))
+    assert manager.list() == {1, 2, 3} and not manager.adapters  # registered; no slot until a batch uses one
+    manager.set_batch(np.array([1, 1, 0, 2]))
+    np.testing.assert_array_equal(slot_a(1)[:2], tensors["a"][q_a])
+    assert not slot_a(1)[2:].any()  # rank 2 of 4: the slot's other rows stay zero
+    manager.set_batch(np.array([2, 0]))  # a is now the least recently used
+    manager.set_batch(np.array([3, 2]))  # c takes a's slot
+    assert set(manager.adapters) == {2, 3}
+    np.testing.assert_array_equal(slot_a(3)[:2], tensors["c"][q_a])
+    untouched = manager.wrapped["model.layers.0.self_attn.k_proj"]  # targeted by no adapter
     assert not untouched.lora_a.asnumpy().any() and not untouched.lora_b.asnumpy().any()
+    with pytest.raises(LoRAError, match=r"uses 3 adapters \[1, 2, 3\]; max_loras=2"):
+        manager.set_batch(np.array([1, 2, 3]))
+    with pytest.raises(LoRAError, match=r"adapters \[9\] were never added"):
+        manager.set_batch(np.array([9]))
+    banks = [w.lora_a.asnumpy().copy() for w in manager.wrapped.values()]
+    with pytest.raises(LoRAError, match="'lm_head'"):
+        manager.add(req(4, "head"))
+    assert manager.list() == {1, 2, 3}  # refused, registered nothing
+    assert all(np.array_equal(w.lora_a.asnumpy(), b) for w, b in zip(manager.wrapped.values(), banks))
+    assert manager.remove(3) and 3 not in manager.adapters and manager.list() == {1, 2}
     with pytest.raises(LoRAError, match="exceeds the LoRA token capacity"):
         manager.set_batch(np.zeros(manager.max_tokens + 1, np.int64))

@@ -53,6 +53,8 @@ class Adapter:
     slot: int
     scale: float
     modules: tuple[str, ...]
+    last_used: int = 0
+    """The batch counter when a batch last used it (the least recently used is evicted first)."""
 
 
 def _zeros(shape: tuple[int, ...], name: str) -> Parameter:
@@ -120,7 +122,11 @@ class LoRAManager:
         self.model = model
         self.max_loras, self.max_rank = int(max_loras), int(max_rank)
         self.width = self.max_loras * self.max_rank
+        self.known: dict[int, object] = {}
+        """Every adapter added (vLLM's LoRARequest by lora_int_id), loaded into a slot or not."""
         self.adapters: dict[int, Adapter] = {}
+        """The adapters holding a bank slot."""
+        self._batches = 0
         self.mask = _zeros((max_tokens, self.width), "lora_token_mask")
         self.wrapped: dict[str, LoRALinear] = {}
         cells = dict(model.cells_and_names())
@@ -147,14 +153,15 @@ class LoRAManager:
             wrapper.mask = self.mask
 
     def add(self, lora_request) -> bool:
-        """Load an adapter (a vllm LoRARequest) into a free slot once; True when it is (already) loaded."""
+        """Register an adapter (a vllm LoRARequest), read and checked against the model now; it takes
+        a bank slot when a batch first uses it. True when it is (already) registered."""
         lora_id = lora_request.lora_int_id
-        if lora_id in self.adapters:
-            return True
-        used = {a.slot for a in self.adapters.values()}
-        free = [s for s in range(self.max_loras) if s not in used]
-        if not free:
-            raise LoRAError(f"max_loras={self.max_loras} adapters already loaded")
+        if lora_id not in self.known:
+            self._read(lora_request)
+            self.known[lora_id] = lora_request
+        return True
+
+    def _read(self, lora_request) -> tuple[float, dict[str, tuple[np.ndarray, np.ndarray]]]:
         scale, pairs = read_peft(lora_request.lora_path, self.max_rank)
         for module, (a, b) in pairs.items():
             if module not in self.wrapped:
@@ -165,9 +172,14 @@ class LoRAManager:
             out_f, in_f = self.wrapped[module].base.weight.shape
             if a.shape[1] != in_f or b.shape[0] != out_f or a.shape[0] != b.shape[1]:
                 raise LoRAError(f"{module}: lora_A {a.shape}, lora_B {b.shape} do not fit weight {(out_f, in_f)}")
-        slot = free[0]
+        return scale, pairs
+
+    def _load(self, lora_id: int, slot: int) -> None:
+        """Write an adapter into `slot` of every bank (zeros for the modules it does not adapt)."""
+        request = self.known[lora_id]
+        scale, pairs = self._read(request)
         cols = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
-        for module, wrapper in self.wrapped.items():  # every module: the slot's old adapter is overwritten
+        for module, wrapper in self.wrapped.items():
             bank_a, bank_b = wrapper.lora_a.asnumpy().copy(), wrapper.lora_b.asnumpy().copy()
             bank_a[cols], bank_b[:, cols] = 0.0, 0.0
             if module in pairs:
@@ -176,15 +188,39 @@ class LoRAManager:
                 bank_b[:, cols][:, : b.shape[1]] = b
             ops.assign(wrapper.lora_a, Tensor(bank_a))
             ops.assign(wrapper.lora_b, Tensor(bank_b))
-        self.adapters[lora_id] = Adapter(lora_id, lora_request.lora_name, slot, scale, tuple(pairs))
-        return True
+        self.adapters[lora_id] = Adapter(lora_id, request.lora_name, slot, scale, tuple(pairs))
+
+    def prepare(self, lora_ids) -> None:
+        """Give every adapter a batch uses a slot: load the missing ones, evicting the least recently
+        used adapters the batch does not use (vLLM schedules at most max_loras adapters a batch)."""
+        wanted = sorted({int(i) for i in lora_ids} - {0})
+        if len(wanted) > self.max_loras:
+            raise LoRAError(f"a batch uses {len(wanted)} adapters {wanted}; max_loras={self.max_loras}")
+        unknown = [i for i in wanted if i not in self.known]
+        if unknown:
+            raise LoRAError(f"adapters {unknown} were never added")
+        self._batches += 1
+        for lora_id in wanted:
+            if lora_id not in self.adapters:
+                used = {a.slot for a in self.adapters.values()}
+                free = [slot for slot in range(self.max_loras) if slot not in used]
+                if free:
+                    slot = free[0]
+                else:
+                    idle = [a for a in self.adapters.values() if a.lora_id not in wanted]
+                    victim = min(idle, key=lambda a: a.last_used)
+                    del self.adapters[victim.lora_id]
+                    slot = victim.slot
+                self._load(lora_id, slot)
+            self.adapters[lora_id].last_used = self._batches
 
     def remove(self, lora_id: int) -> bool:
         """Forget an adapter; its slot is reused (and overwritten) by the next one loaded."""
-        return self.adapters.pop(lora_id, None) is not None
+        self.adapters.pop(lora_id, None)
+        return self.known.pop(lora_id, None) is not None
 
     def list(self) -> set[int]:
-        return set(self.adapters)
+        return set(self.known)
 
     def set_batch(self, token_lora_ids: np.ndarray) -> None:
         """token_lora_ids [T]: the adapter of each flat-batch row (0: the base model); rows past T
@@ -192,10 +228,11 @@ class LoRAManager:
         t = len(token_lora_ids)
         if t > self.max_tokens:
             raise LoRAError(f"a batch of {t} tokens exceeds the LoRA token capacity {self.max_tokens}")
+        self.prepare(np.unique(token_lora_ids))
         mask = np.zeros((self.max_tokens, self.width), np.float32)
         for lora_id in np.unique(token_lora_ids):
             adapter = self.adapters.get(int(lora_id))
-            if adapter is None:
+            if adapter is None:  # the base model
                 continue
             rows = np.flatnonzero(token_lora_ids == lora_id)
             mask[rows, adapter.slot * self.max_rank : (adapter.slot + 1) * self.max_rank] = adapter.scale

@@ -113,7 +113,7 @@ class CompiledTPSteps:
     """One rank's compiled segments for every bucket of a BucketConfig (same interface as CompiledSteps)."""
 
     def __init__(self, model, kv_caches, config: BucketConfig, block_size: int, scratch_block: int, group):
-        self.model, self.config, self.group = model, config, group
+        self.config, self.group = config, group
         self.block_size, self.scratch_block = block_size, scratch_block
         self.compile_s: dict[str, float] = {}
         """Seconds of the first (compiling) call of each bucket (all its segments)."""
@@ -126,7 +126,6 @@ class CompiledTPSteps:
             self.mlp.append(MLPSegment(layer, _bias(layer.self_attn.o_proj)))
             bias = _bias(getattr(layer.mlp, "down_proj", None))
         self.head = HeadSegment(model, bias)
-        self.hidden_size = int(model.config.hidden_size)
 
     def _forward(self, ids, positions, rows, meta):
         """The segments and collectives of one padded (or exact) flat batch -> (logits [R, V], hidden)."""

@@ -122,8 +122,9 @@ class LoRAManager:
         self.model = model
         self.max_loras, self.max_rank = int(max_loras), int(max_rank)
         self.width = self.max_loras * self.max_rank
-        self.known: dict[int, object] = {}
-        """Every adapter added (vLLM's LoRARequest by lora_int_id), loaded into a slot or not."""
+        self.known: dict[int, tuple[str, float, dict]] = {}
+        """Every adapter added, loaded into a slot or not: lora_int_id -> (name, scale, {module: (A, B)}),
+        read once (a reload after an eviction does not read the files again)."""
         self.adapters: dict[int, Adapter] = {}
         """The adapters holding a bank slot."""
         self._batches = 0
@@ -157,8 +158,7 @@ class LoRAManager:
         a bank slot when a batch first uses it. True when it is (already) registered."""
         lora_id = lora_request.lora_int_id
         if lora_id not in self.known:
-            self._read(lora_request)
-            self.known[lora_id] = lora_request
+            self.known[lora_id] = (lora_request.lora_name, *self._read(lora_request))
         return True
 
     def _read(self, lora_request) -> tuple[float, dict[str, tuple[np.ndarray, np.ndarray]]]:
@@ -176,8 +176,7 @@ class LoRAManager:
 
     def _load(self, lora_id: int, slot: int) -> None:
         """Write an adapter into `slot` of every bank (zeros for the modules it does not adapt)."""
-        request = self.known[lora_id]
-        scale, pairs = self._read(request)
+        name, scale, pairs = self.known[lora_id]
         cols = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
         for module, wrapper in self.wrapped.items():
             bank_a, bank_b = wrapper.lora_a.asnumpy().copy(), wrapper.lora_b.asnumpy().copy()
@@ -188,7 +187,7 @@ class LoRAManager:
                 bank_b[:, cols][:, : b.shape[1]] = b
             ops.assign(wrapper.lora_a, Tensor(bank_a))
             ops.assign(wrapper.lora_b, Tensor(bank_b))
-        self.adapters[lora_id] = Adapter(lora_id, request.lora_name, slot, scale, tuple(pairs))
+        self.adapters[lora_id] = Adapter(lora_id, name, slot, scale, tuple(pairs))
 
     def prepare(self, lora_ids) -> None:
         """Give every adapter a batch uses a slot: load the missing ones, evicting the least recently

@@ -9,9 +9,12 @@ from pathlib import Path
 
 def schedule_of(name: str, ranks: int, m: int):
     """A built schedule; "zbv+fused" is ZeroBubbleV with each B its own W directly follows run as
-    one fused BW (ms_pipeline.fuse_adjacent_backward), the bubble-filling W's left apart."""
+    one fused BW (ms_pipeline.fuse_adjacent_backward), the bubble-filling W's left apart; "zbv+auto"
+    starts as ZeroBubbleV, whose fusions the runtime then chooses from measured costs."""
     import ms_pipeline as mp
 
+    if name.endswith("+auto"):  # the start: PipelineRuntime.tune_backward picks the fusions at run time
+        return mp.build(name.removesuffix("+auto"), ranks, m)
     if name.endswith("+fused"):
         return mp.fuse_adjacent_backward(mp.build(name.removesuffix("+fused"), ranks, m))
     if name.endswith("+1b1f"):
@@ -49,7 +52,7 @@ def simulated_rows(args, costs, ranks_list=(4, 8)):
     for ranks in ranks_list:
         m = max(args.microbatches, 2 * ranks)
         out = {}
-        for name in ("1f1b", "zbv", "zbv+fused"):
+        for name in ("1f1b", "zbv", "zbv+fused", "zbv+auto"):
             schedule = schedule_of(name, ranks, m)
             n = schedule.num_stages
             if name == "1f1b":
@@ -57,12 +60,14 @@ def simulated_rows(args, costs, ranks_list=(4, 8)):
                 b = ends_and_middle(one["bw"], n, one["bw"][0] - embed_b)
                 cm = mp.CostModel(f=f, b=b, w=0.0, comm=0.0)
             else:
-                src = fz if name.endswith("+fused") else z
+                src = fz if name.endswith(("+fused", "+auto")) else z
                 bw = ends_and_middle(src["bw"], n) if src["bw"] else None
                 cm = mp.CostModel(
                     f=ends_and_middle(src["f"], n), b=ends_and_middle(src["b"], n),
                     w=ends_and_middle(src["w"], n), bw=bw, comm=0.0,
                 )  # fmt: skip
+            if name.endswith("+auto"):  # what tune_backward would choose under these costs
+                schedule = mp.fuse_where_faster(schedule, cm)
             out[name] = mp.simulate(schedule, cm).makespan
             row = {"schedule": f"{name} (simulated)", "ranks": ranks, "microbatches": m, "predicted_s": out[name]}
             row["/1f1b"] = out[name] / out["1f1b"]

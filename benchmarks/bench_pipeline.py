@@ -41,7 +41,7 @@ from _pipeline_report import draw_runs, printable, schedule_of, simulated_rows
 from ms_layout.comm.netns import rate_for
 
 RANKS = 2
-MS = ("1f1b", "zbv", "zbv+fused", "zbv+1b1f")
+MS = ("1f1b", "zbv", "zbv+fused", "zbv+auto", "zbv+1b1f")
 SHAPED = ("1f1b", "zbv", "zbv+1b1f")  # the variants run again over the shaped link
 TORCH = ("torch 1f1b", "torch zbv")
 
@@ -107,6 +107,10 @@ def _rank(group, args, variants=MS, with_torch=True):
         start = time.perf_counter()
         runtimes[name].step(inputs, labels)  # warm-up: compiles F, B, W / BW of each stage
         compile_s[name] = time.perf_counter() - start
+        if name.endswith("+auto"):  # time split and fused backwards, keep the fusions that pay
+            start = time.perf_counter()
+            runtimes[name].tune_backward(inputs, labels, comm=latency)
+            compile_s[name + " tune"] = time.perf_counter() - start
         held[name] = held_units(runtimes[name], shape, args.vocab)
     t_ids = torch.from_numpy(ids[:, :, :-1].reshape(-1, args.seq).astype(np.int64))
     t_labels = torch.from_numpy(ids[:, :, 1:].reshape(-1, args.seq).astype(np.int64))
@@ -139,6 +143,8 @@ def _rank(group, args, variants=MS, with_torch=True):
             out[name]["rss_total"].append(rss.peak)
     for name in out:
         out[name].update(latency=latency, held=held.get(name), compile_s=compile_s[name])
+        if name in runtimes:
+            out[name].update(schedule=runtimes[name].schedule.to_dict(), tune_s=compile_s.get(name + " tune"))
     return out
 
 
@@ -147,14 +153,9 @@ def _stage_costs(schedule, events, fallback=None):
     not the median: a makespan adds durations, slow tail included (with medians the prediction of
     ZBV's 48 actions a rank fell 4-5 % short of the step). A stage that ran no separate B (or W)
     takes it from ``fallback`` (the unfused run's costs)."""
-    from ms_pipeline import Kind
+    from ms_pipeline import Kind, mean_durations
 
-    durations: dict = {}
-    for step_events in events:
-        for e in step_events:
-            for part in e.action.computes():
-                durations.setdefault((part.stage, part.kind), []).append(e.end - e.start)
-    mean = {k: statistics.fmean(v) for k, v in durations.items()}
+    mean = mean_durations([e for step_events in events for e in step_events])
     stages = range(schedule.num_stages)
     out = {"f": [mean[(s, Kind.F)] for s in stages]}
     for key, kind in (("b", Kind.B), ("w", Kind.W), ("bw", Kind.BW)):
@@ -176,7 +177,7 @@ def _held(per_rank, num_stages):
 def _ms_row(name, args, per_rank, fallback=None):
     import ms_pipeline as mp
 
-    schedule = schedule_of(name, RANKS, args.microbatches)
+    schedule = mp.Schedule.from_dict(per_rank[0]["schedule"])  # "+auto": as the runtime tuned it
     common = _measured(name, args, per_rank)
     steps = len(common["step_times_s"])
     events = [[e for r in per_rank for e in r["events"][i] if e.action.is_compute] for i in range(steps)]
@@ -208,6 +209,9 @@ def _ms_row(name, args, per_rank, fallback=None):
         "predicted_held_mb": max(predicted.peak_activation),
         "compile_s": max(r["compile_s"] for r in per_rank),
     }
+    if per_rank[0]["tune_s"] is not None:
+        row["tune_s"] = max(r["tune_s"] for r in per_rank)
+        row["split_w"] = sum(a.kind is mp.Kind.W for actions in schedule.actions for a in actions)
     return row, c
 
 
@@ -352,6 +356,8 @@ def main(argv=None) -> int:
     summary = {
         "zbv_over_1f1b": by["zbv"]["step_s"] / by["1f1b"]["step_s"],
         "zbv_fused_over_1f1b": by["zbv+fused"]["step_s"] / by["1f1b"]["step_s"],
+        "zbv_auto_over_1f1b": by["zbv+auto"]["step_s"] / by["1f1b"]["step_s"],
+        "zbv_auto_over_1f1b_paired": by["zbv+auto"]["/1f1b_paired"],
         "torch_zbv_over_1f1b": by["torch zbv"]["step_s"] / by["torch 1f1b"]["step_s"],
         "zbv_over_1f1b_paired": by["zbv"]["/1f1b_paired"],
         "torch_zbv_over_1f1b_paired": by["torch zbv"]["/1f1b_paired"],

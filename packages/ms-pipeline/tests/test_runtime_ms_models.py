@@ -161,3 +161,39 @@ def test_compiled_1f1b_and_zbv_match_single_process(run_ranks, ranks, runs):
                 seen.add(key)
         blocks = {k for k in reference if not k.startswith("model.mtp_layers.")}  # MTP trains apart
         assert seen == blocks, (arch, name, sorted(blocks - seen))
+
+
+def _tuned_rank(group, layers):
+    model, config = _model("llama", layers)
+    blocks = ms_models.pipeline_blocks(model)
+    inputs, labels = _data(config.vocab_size)
+    schedule = mp.build("zbv", group.size, M)
+    staged = mp.runtime.split_blocks(blocks, mp.LayerPlacement.even(len(blocks), schedule.num_stages))
+    mine = {s: staged[s] for s in schedule.stages_of(group.rank)}
+    runtime = mp.runtime.PipelineRuntime(
+        schedule, mine, group, activation_shape=(MB, SEQ, config.hidden_size), jit=True
+    )
+    runtime.step(inputs, labels)  # compiles
+    runtime.zero_grads()
+    with pytest.raises(mp.ScheduleError, match="steps=0"):
+        runtime.tune_backward(inputs, labels, steps=0)
+    chosen = runtime.tune_backward(inputs, labels, comm=1e-4)
+    result = runtime.step(inputs, labels)
+    return chosen, runtime.costs, result.order, result.loss, runtime.grads()
+
+
+def test_tune_backward_picks_the_fusions_from_every_rank_s_costs_and_trains_the_same(run_ranks):
+    """tune_backward times split and fused backwards, every rank picks the same schedule (the
+    simulator's choice under the gathered costs), runs it, and the step still equals the
+    single-process one (the timing steps' gradients are discarded)."""
+    loss, reference = _reference("llama", 2)
+    results = run_ranks(_tuned_rank, nprocs=2, timeout=1200, args=(2,), env={"OMP_NUM_THREADS": "1"})
+    (chosen, costs, _, _, _), other = results[0], results[1]
+    assert chosen.name == "zbv+auto" and other[0] == chosen and other[1] == costs
+    assert chosen == mp.fuse_where_faster(mp.build("zbv", 2, M), costs)
+    assert all(costs.at(k, s) > 0 for k in ("f", "b", "w", "bw") for s in range(4))
+    for rank, (_, _, order, rank_loss, grads) in enumerate(results):
+        assert tuple(a for a in order if a.is_compute) == mp.split_pairs(chosen).actions[rank]
+        assert_close(rank_loss, loss, COMPILED_RTOL, "loss")
+        for key, g in grads.items():
+            assert_close(g, reference[key], COMPILED_RTOL, f"grad {key}")

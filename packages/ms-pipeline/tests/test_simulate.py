@@ -198,6 +198,68 @@ def test_fusing_adjacent_backwards_keeps_the_bubble_fillers_and_is_priced_by_bw(
         mp.CostModel(bw=-1.0)
 
 
+def test_fuse_backward_moves_each_chosen_w_up_to_its_b():
+    zbv = mp.zero_bubble_v(2, 4)
+    one = mp.fuse_backward(zbv, [(3, 0)])
+    mp.validate(one)
+    assert "3BW0" in mp.format_actions(one.actions[0]).split()
+    assert not {"3B0", "3W0"} & set(mp.format_actions(one.actions[0]).split())
+    every = mp.fuse_backward(zbv)
+    assert {a.kind for r in every.actions for a in r} == {Kind.F, Kind.BW}
+    assert sum(len(r) for r in every.actions) == 2 * 4 * 4  # F and BW per stage and microbatch
+    with pytest.raises(ScheduleError, match=r"\(5, 0\)"):
+        mp.fuse_backward(zbv, [(5, 0)])
+    with pytest.raises(ScheduleError, match="before lowering"):
+        mp.fuse_backward(mp.lower(zbv))
+
+
+@pytest.mark.parametrize("p,m", [(2, 8), (4, 8)])
+def test_fuse_where_faster_never_loses_to_either_fixed_choice(p, m):
+    """Under every cost profile, the chosen fusions simulate no slower than all-split ZBV, than
+    fusing the adjacent pairs, and than fusing everything; the result validates."""
+    zbv = mp.zero_bubble_v(p, m)
+    for f, b, w in COSTS:
+        for ratio in (0.6, 0.8, 1.0, 1.2):  # BW / (B + W): the fused pass cheaper, equal, dearer
+            costs = CostModel(f=f, b=b, w=w, bw=ratio * (b + w), comm=0.05)
+            auto = mp.fuse_where_faster(zbv, costs)
+            assert auto.name == f"{zbv.name}+auto"
+            mp.validate(mp.lower(auto))
+            got = mp.simulate(auto, costs).makespan
+            for other in (zbv, mp.fuse_adjacent_backward(zbv), mp.fuse_backward(zbv)):
+                assert got <= mp.simulate(other, costs).makespan * (1 + 1e-9), (f, b, w, ratio, other.name)
+
+
+def test_fuse_where_faster_fuses_all_when_w_is_free_inside_bw_and_keeps_the_bubble_fillers_when_not():
+    zbv = mp.zero_bubble_v(2, 8)
+    free = mp.fuse_where_faster(zbv, CostModel(f=1.0, b=1.0, w=1.0, bw=1.0))
+    assert sum(a.kind is Kind.W for r in free.actions for a in r) == 0
+    # the measured CPU profile of bench_pipeline (ms per half stage, BW 0.8 x (B + W)): it fuses
+    # all but the W's that fill rank 1's cool-down and beats both fixed choices
+    costs = CostModel(f=27.0, b=33.0, w=22.0, bw=44.0, comm=2.8)
+    auto = mp.fuse_where_faster(zbv, costs)
+    split_w = sum(a.kind is Kind.W for r in auto.actions for a in r)
+    assert 0 < split_w < sum(a.kind is Kind.W for r in mp.fuse_adjacent_backward(zbv).actions for a in r) + 1
+    assert mp.simulate(auto, costs).makespan < mp.simulate(mp.fuse_adjacent_backward(zbv), costs).makespan
+    assert mp.simulate(auto, costs).makespan < mp.simulate(zbv, costs).makespan
+    with pytest.raises(ScheduleError, match="tolerance"):
+        mp.fuse_where_faster(zbv, costs, tolerance=-1.0)
+
+
+def test_cost_model_from_events_recovers_the_costs_that_made_them():
+    costs = CostModel(f=[1.0, 2.0, 3.0, 4.0], b=[2.0, 2.5, 3.0, 3.5], w=[0.5, 1.0, 1.5, 2.0], comm=0.1)
+    zbv = mp.zero_bubble_v(2, 4)
+    events = mp.simulate(zbv, costs).timeline
+    got = CostModel.from_events(events, 4, comm=0.1)
+    for name in ("f", "b", "w"):
+        assert got.at(name, 3) == pytest.approx(costs.at(name, 3))
+        assert [got.at(name, s) for s in range(4)] == pytest.approx([costs.at(name, s) for s in range(4)])
+    assert [got.at("bw", s) for s in range(4)] == pytest.approx([costs.at("b", s) + costs.at("w", s) for s in range(4)])
+    fused = mp.simulate(mp.fuse_backward(zbv, [(0, 0)]), CostModel(f=1.0, b=1.0, w=1.0, bw=1.5)).timeline
+    assert CostModel.from_events(fused, 4).at("bw", 0) == pytest.approx(1.5)
+    with pytest.raises(ScheduleError, match="0W"):
+        CostModel.from_events([e for e in events if e.action.kind is not Kind.W], 4)
+
+
 def test_split_pairs_gives_each_half_its_own_transfers():
     """The runtime runs a 1B1F pair as its halves: the forward's send leaves before the backward
     half computes and the backward's receive is waited for after the forward half; lowered as one

@@ -26,8 +26,8 @@ from .schedules import (
     zero_bubble_v_adaptive,
 )
 from .serialize import dumps, from_csv, load, loads, save, to_csv
-from .simulate import Bubbles, CostModel, Event, SimResult, peak_activation, simulate
-from .transforms import fuse_adjacent_backward, split_pairs
+from .simulate import Bubbles, CostModel, Event, SimResult, mean_durations, peak_activation, simulate
+from .transforms import fuse_adjacent_backward, fuse_backward, fuse_where_faster, split_pairs
 from .validate import format_grid, is_valid, validate
 
 __version__ = "0.1.0"
@@ -51,12 +51,15 @@ __all__ = [
     "format_grid",
     "from_csv",
     "fuse_adjacent_backward",
+    "fuse_backward",
+    "fuse_where_faster",
     "gpipe",
     "interleaved_1f1b",
     "is_valid",
     "load",
     "loads",
     "lower",
+    "mean_durations",
     "one_f_one_b",
     "parse_actions",
     "peak_activation",

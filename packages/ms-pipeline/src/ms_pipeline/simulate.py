@@ -141,6 +141,24 @@ class CostModel:
         return CostModel(comm=self.comm, overlap=self.overlap, **values)
 
     @classmethod
+    def from_events(cls, events: Sequence[Event], num_stages: int, *, comm: float = 0.0) -> CostModel:
+        """Per-stage costs measured by real steps: the mean F, B, W and BW of each stage over the
+        computations in ``events`` (a pair's halves count as theirs; transfers are skipped). Every
+        stage needs F, B and W timed (run a schedule with B and W apart); BW is the fused pass's
+        time where one ran, B + W elsewhere. The mean, not the median: a makespan adds durations,
+        slow tail included."""
+        mean = mean_durations(events)
+        missing = [f"{s}{k.value}" for s in range(num_stages) for k in (Kind.F, Kind.B, Kind.W) if (s, k) not in mean]
+        if missing:
+            raise ScheduleError(
+                f"no timed {', '.join(missing[:6])} among the events: every stage needs F, B and W measured"
+                " (a schedule that runs B and W apart)"
+            )
+        times = {k: [mean[(s, k)] for s in range(num_stages)] for k in (Kind.F, Kind.B, Kind.W)}
+        bw = [mean.get((s, Kind.BW), times[Kind.B][s] + times[Kind.W][s]) for s in range(num_stages)]
+        return cls(f=times[Kind.F], b=times[Kind.B], w=times[Kind.W], bw=bw, comm=comm)
+
+    @classmethod
     def zb_profile(cls) -> CostModel:
         """The Zero Bubble authors' measured profile: T_B = 0.997 T_F, T_W = 0.632 T_F, comm 0.016 T_F;
         B frees 55% of F's activations and W the remaining 45%."""
@@ -265,6 +283,16 @@ class SimResult:
                 {"rank": e.rank, "action": str(e.action), "start": e.start, "end": e.end} for e in self.timeline
             ]
         return out
+
+
+def mean_durations(events: Sequence[Event]) -> dict[tuple[int, Kind], float]:
+    """(stage, kind) -> the mean duration of that computation over ``events`` (a 1B1F pair's
+    event counts for each of its halves, as measured around the pair; transfers are skipped)."""
+    durations: dict[tuple[int, Kind], list[float]] = {}
+    for e in events:
+        for part in e.action.computes():
+            durations.setdefault((part.stage, part.kind), []).append(e.end - e.start)
+    return {k: sum(v) / len(v) for k, v in durations.items()}
 
 
 def peak_activation(schedule: Schedule, costs: CostModel) -> tuple[float, ...]:

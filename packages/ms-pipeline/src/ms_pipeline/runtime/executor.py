@@ -39,8 +39,8 @@ from ..errors import ScheduleError
 from ..ir import Action, Kind, Schedule
 from ..lower import lower
 from ..messages import Message, message_of
-from ..simulate import Event
-from ..transforms import split_pairs
+from ..simulate import CostModel, Event, mean_durations
+from ..transforms import fuse_backward, fuse_where_faster, split_pairs
 from ..validate import validate
 from .stage import Stage
 
@@ -96,12 +96,10 @@ class PipelineRuntime:
             raise ScheduleError(
                 f"schedule {schedule.name} needs {schedule.num_ranks} ranks, the group has {group.size}"
             )
-        self.schedule = schedule
-        # with sends and receives; a pair run as its halves gets each half's transfers at its edges
-        executed = schedule if overlap_fn is not None else split_pairs(schedule)
-        self.actions = validate(lower(executed)).actions[group.rank]
         self.group = group
         self.rank = group.rank
+        self.overlap_fn = overlap_fn
+        self._use(schedule)
         mine = schedule.stages_of(self.rank)
         if sorted(blocks) != sorted(mine):
             raise ScheduleError(
@@ -128,7 +126,14 @@ class PipelineRuntime:
         self._shape = activation_shape if callable(activation_shape) else (lambda s: tuple(activation_shape))
         self.dtype = np.dtype(dtype)
         self.optimizer = optimizer
-        self.overlap_fn = overlap_fn
+        self.costs: CostModel | None = None  # what the last tune_backward measured
+
+    def _use(self, schedule: Schedule) -> None:
+        """Run ``schedule`` from the next step on (the stages stay: a variant of the same cut)."""
+        self.schedule = schedule
+        # with sends and receives; a pair run as its halves gets each half's transfers at its edges
+        executed = schedule if self.overlap_fn is not None else split_pairs(schedule)
+        self.actions = validate(lower(executed)).actions[self.rank]
         self._computes = [i for i, a in enumerate(self.actions) if a.is_compute]
 
     # ------------------------------------------------------------ messages
@@ -269,6 +274,54 @@ class PipelineRuntime:
         total = np.array([sum(self._losses.values()) / m], dtype=np.float64)
         self.group.all_reduce(total)  # only the rank of the last stage adds a non-zero
         return StepResult(float(total[0]), tuple(self._events), tuple(self._order))
+
+    def tune_backward(
+        self, inputs: Sequence[Any], labels: Sequence[Any], *, steps: int = 1, comm: float = 0.0
+    ) -> Schedule:
+        """Choose, from this machine's measured costs, which B's run fused with their W, and run
+        that schedule from now on; returns it (``<name>+auto``, the same on every rank).
+
+        Runs ``steps`` steps of the schedule as it is (B and W apart) and as many with every B
+        fused (:func:`~ms_pipeline.fuse_backward`), gathers each stage's mean F, B, W and BW from
+        every rank (:meth:`~ms_pipeline.CostModel.from_events`, ``comm`` the one-way latency of a
+        transfer in seconds), and keeps the fusions the simulator finds no slower
+        (:func:`~ms_pipeline.fuse_where_faster`). The gradients of those steps are discarded.
+        Where the split is free, bubble-filling W's stay apart; where it costs (on CPU a lone W
+        reads its pairs back from memory), every W that fills no bubble joins its B. Call it
+        on every rank, after a warm-up step (the first step compiles)."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ScheduleError(f"tune_backward: steps={steps!r} must be an int >= 1")
+        if any(a.kind is Kind.OVERLAP_F_B for acts in self.schedule.actions for a in acts):
+            raise ScheduleError(f"tune_backward: {self.schedule.name} has 1B1F pairs; tune the schedule without them")
+        base = self.schedule
+        if not any(a.kind is Kind.B for acts in base.actions for a in acts):
+            raise ScheduleError(f"tune_backward: {base.name} has no separate B to fuse or keep apart")
+        events: list[Event] = []
+        try:
+            for variant in (base, fuse_backward(base)):
+                self._use(variant)
+                for _ in range(steps):
+                    events += self.step(inputs, labels).events
+        finally:
+            self._use(base)
+            self.zero_grads()
+        n, mean = base.num_stages, mean_durations(events)
+        table = np.full((1, n, 4), np.nan)
+        for s in self.stages:
+            table[0, s] = [mean.get((s, k), np.nan) for k in (Kind.F, Kind.B, Kind.W, Kind.BW)]
+        table = self.group.all_gather(table, axis=0)  # [ranks, stages, 4]: each stage from its rank
+        costs = table[(~np.isnan(table[:, :, 0])).argmax(0), np.arange(n)]
+        untimed = [f"{s}{k}" for s in range(n) for i, k in enumerate(("F", "B", "W", "BW")) if np.isnan(costs[s, i])]
+        if untimed:
+            raise ScheduleError(
+                f"tune_backward: {', '.join(untimed[:6])} never ran in {base.name}, so it cannot be timed"
+            )
+        costs = costs.T.tolist()
+        model = CostModel(f=costs[0], b=costs[1], w=costs[2], bw=costs[3], comm=comm)
+        chosen = fuse_where_faster(base, model)
+        self.costs = model
+        self._use(chosen)
+        return chosen
 
     # ------------------------------------------------------------ gradients
     @property

@@ -145,3 +145,69 @@ def test_cells_with_recompute_hooks_keep_the_construct_path(blocks):
     assert Stage(1, blocks[1:3], first=False, last=False, jit=True).dw == "explicit"
     assert Stage(1, blocks[1:3], first=False, last=False).dw == "stored"
     assert Stage(1, blocks[1:3], first=False, last=False, dw="explicit").dw == "explicit"  # eager passes
+
+
+class _OwnPasses:
+    """The block-passes protocol over a block's explicit passes, run eagerly (a stand-in for a
+    block whose passes hold collectives, as ms-recompute's TPStackBlock)."""
+
+    def __init__(self, block):
+        self.passes = block.explicit_passes()
+
+    def weights(self):
+        return self.passes.weights()
+
+    def forward(self, x):
+        return self.passes.forward(x)
+
+    def backward_input(self, kept, g):
+        return self.passes.backward_input(kept, g)
+
+    def backward_weight(self, pairs):
+        return [g.asnumpy() for g in self.passes.backward_weight(pairs)]
+
+    def backward_full(self, kept, g):
+        dx, pairs = self.backward_input(kept, g)
+        return dx, self.backward_weight(pairs)
+
+
+class _OwnBlock(ms.nn.Cell):
+    def __init__(self, block):
+        super().__init__(auto_prefix=False)
+        self.block = block
+        self._passes = _OwnPasses(block)
+
+    def construct(self, x):
+        return self.block(x)
+
+    def pipeline_passes(self):
+        return self._passes
+
+
+def test_blocks_with_their_own_passes_chain_between_compiled_segments(blocks):
+    """embed | own-passes layer | layer, head: the stage chains a compiled segment, the block's
+    own passes and another compiled segment; split and fused backwards give ms.grad's gradients."""
+    inputs, labels = _data()
+    chained = [blocks[0], _OwnBlock(blocks[1]), *blocks[2:]]
+    stage = Stage(0, chained, first=True, last=True, jit=True)
+    assert stage.dw == "chained"
+    scale = ms.Tensor(1.0 / len(inputs), ms.float32)
+    for mb in range(3):
+        stage.forward(mb, inputs[mb], labels[mb])
+    stage.backward_input(1, scale)
+    stage.backward_full(0, scale)
+    stage.backward_input(2, scale)
+    stage.backward_weight(2)
+    stage.backward_weight(1)
+    assert stage.in_flight == 0
+    want = _reference(blocks, inputs, labels)
+    got = stage.grads
+    assert set(got) == set(want)
+    for p in stage.weights:
+        assert_close(got[id(p)], want[id(p)], RTOL, p.name)
+    with pytest.raises(ScheduleError, match="recomputes by its own options"):
+        Stage(0, chained, first=True, last=True, jit=True, recompute=True)
+    with pytest.raises(ScheduleError, match="not dw='stored'"):
+        Stage(0, chained, first=True, last=True, dw="stored")
+    with pytest.raises(ScheduleError, match="must end with an ordinary block"):
+        Stage(1, [_OwnBlock(blocks[1])], first=False, last=True, jit=True)

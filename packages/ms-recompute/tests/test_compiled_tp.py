@@ -67,6 +67,17 @@ def _rank(group, jit):
             "order": [str(s) for s in stack.order],
             "recompute_events": sum(e.op == "recompute" for e in stack.events),
         }
+    # B and W apart (a pipeline's split backward): the same graphs on the same values as the fused one
+    stack = CompiledTPStack(shards, group, jit=jit, recompute=True, paired=True)
+    _, kept = stack.forward(x, cos, sin, allowed)
+    dx, pairs = stack.backward_input(kept, dout)
+    split_order = [str(s) for s in stack.order]
+    grads = stack.backward_weight(pairs)
+    runs["split"] = {
+        "dx": dx.asnumpy(),
+        **{p.name: g for w, gs in zip(stack.weights(), grads) for p, g in zip(w, gs)},
+        "order": split_order,
+    }
     # two microbatches in flight (a pipeline's F, F, B, B): each backward uses its own forward's values
     stack = CompiledTPStack(shards, group, jit=jit, recompute=True, paired=True)
     _, first = stack.forward(x, cos, sin, allowed)
@@ -90,13 +101,14 @@ def test_compiled_tp_recompute_on_two_ranks(run_ranks, jit):
         assert_close(plain["out"], out_ref, TP_RTOL, f"rank {rank} output")
         for name, g in reference.items():
             assert_close(plain[name], g, TP_RTOL, f"rank {rank} grad {name}")
-        for mode in ("sequential", "paired"):
-            for name in reference:
+        for mode in ("sequential", "paired", "split"):
+            for name in ("dx", *reference):
                 np.testing.assert_array_equal(runs[mode][name], plain[name], err_msg=f"rank {rank} {mode} {name}")
         assert plain["order"] == [] and plain["recompute_events"] == 0
         # the backward reaches layer 2 first (alone), then the pair (0, 1) in its ping-pong order
         assert runs["sequential"]["order"] == "2c0 2>0 2<0 2c1 1c0 1>0 1<0 1c1 0c0 0>0 0<0 0c1".split()
         assert runs["paired"]["order"] == "2c0 2>0 2<0 2c1 1c0 1>0 0c0 0>0 1<0 1c1 0<0 0c1".split()
+        assert runs["split"]["order"] == runs["paired"]["order"]
         np.testing.assert_array_equal(runs["two in flight"]["dx"], runs["paired"]["dx"])
         assert runs["reused"] == "this forward's values were already used by a backward"
         assert runs["sequential"]["recompute_events"] == 3 and runs["paired"]["recompute_events"] == 2
@@ -113,3 +125,7 @@ def test_misuse_is_refused_by_name():
     stack = CompiledTPStack([model.model.layers[0]], group=None, jit=False)
     with pytest.raises(RecomputeError, match="needs what this stack's forward kept, got NoneType"):
         stack.backward(None, None)
+    with pytest.raises(RecomputeError, match="needs what this stack's forward kept, got NoneType"):
+        stack.backward_input(None, None)
+    with pytest.raises(RecomputeError, match="needs 1 layers' pairs, got 2"):
+        stack.backward_weight([(), ()])

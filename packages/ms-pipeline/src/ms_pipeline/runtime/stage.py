@@ -12,6 +12,10 @@ computes (``dw=``):
 * ``"stored"`` (PyNative only): linear layers' (x, g) queued by hooks in B, multiplied in W;
 * ``"recompute"``: B and W each an ``ms.grad`` that re-runs the stage's forward.
 
+A stage with blocks that bring passes of their own (``pipeline_passes()``: tensor-parallel layer
+stacks, whose collectives sit between compiled segments) chains its blocks' passes in Python
+instead (:mod:`.chained`; "chained"), the ordinary blocks' still compiled.
+
 ``"auto"`` takes "explicit" under ``jit`` when every block has explicit passes, else "recompute";
 in PyNative (the debug path, where every module runs as a Cell, so hooks and dumps see it) it
 takes "stored". Blocks whose cells carry ms-recompute's saved-tensor hooks (PyNative recompute)
@@ -49,6 +53,7 @@ from .backward import (
     has_explicit_passes,
     hooked_for_recompute,
 )
+from .chained import ChainedPasses, own_passes, segments_of
 from .deferred_dw import DeferredLinearGrads
 
 #: how B and W get their gradients (module docstring)
@@ -105,6 +110,9 @@ class Stage:
         flags = tuple(bool(recompute) for _ in self.blocks) if isinstance(recompute, bool) else tuple(recompute)
         if len(flags) != len(self.blocks) or not all(isinstance(f, (bool, np.bool_)) for f in flags):
             raise ScheduleError(f"stage {index}: recompute={recompute!r} is not a bool or one bool per block")
+        if any(own_passes(b) for b in self.blocks):
+            self._chained(explicit, dw, flags, host_w)
+            return
         hooked = hooked_for_recompute(self.blocks)
         use = dw == "explicit" or (dw == "auto" and jit and has_explicit_passes(self.blocks) and not hooked)
         if dw == "explicit" and not has_explicit_passes(self.blocks):
@@ -138,6 +146,29 @@ class Stage:
             self.backward = RecomputeGrads(self, cell, fns)
         self.dw = self.backward.name
         self.host_w = bool(getattr(self.backward, "host_w", False))  # W's GEMMs in numpy
+        self.recompute = flags
+        self._saved: dict[int, _Saved] = {}
+
+    def _chained(self, cache: dict, dw: str, flags: tuple, host_w: bool | None) -> None:
+        """Blocks with passes of their own (``pipeline_passes()``, e.g. TP layer stacks): the
+        stage's segments chained in Python (:mod:`.chained`), built once per blocks and mode."""
+        if dw not in ("auto", "explicit"):
+            raise ScheduleError(
+                f"stage {self.index}: blocks with pipeline_passes() run their own passes, not dw={dw!r}"
+            )
+        if any(flags):
+            raise ScheduleError(
+                f"stage {self.index}: recompute= covers compiled blocks only; a block with pipeline_passes() "
+                "recomputes by its own options"
+            )
+        if host_w not in (None, True, False):
+            raise ScheduleError(f"stage {self.index}: host_w={host_w!r} is not True, False or None")
+        key = ("chained", self.jit, host_w)
+        if key not in cache:
+            cache[key] = segments_of(self.blocks, self.last, self.jit, host_w)
+        self.backward = ChainedPasses(self, cache[key])
+        self.dw = self.backward.name
+        self.host_w = self.backward.host_w
         self.recompute = flags
         self._saved: dict[int, _Saved] = {}
 

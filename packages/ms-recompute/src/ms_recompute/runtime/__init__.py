@@ -7,7 +7,8 @@ tensor-parallel layers whose recompute overlaps communication in pairs.
 
 ``checkpoint(fn, *args)`` recomputes a plain function; ``SavedTensorMeter`` counts the bytes the tape
 keeps; ``tp_model`` builds a tensor-parallel ms_models model over an ``ms_layout.comm`` group;
-``CompiledTPStack`` trains its layers compiled, recompute paired under jit.
+``CompiledTPStack`` trains its layers compiled, recompute paired under jit; ``tp_stage_blocks``
+cuts a ``tp_model`` into pipeline stages whose TP layers (``TPStackBlock``) ms-pipeline chains.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .checkpoint import AllReduce, Checkpoint, Runner, TraceEvent, checkpoint, r
 from .compiled_tp import CompiledTPStack, TPLayerPasses
 from .meter import SavedTensorMeter
 from .tp import CopyToTP, TPDecoderLayer, tp_model
+from .tp_block import TPStackBlock, TPStackPasses, tp_stage_blocks
 
 __all__ = [
     "AllReduce",
@@ -28,9 +30,12 @@ __all__ = [
     "SavedTensorMeter",
     "TPDecoderLayer",
     "TPLayerPasses",
+    "TPStackBlock",
+    "TPStackPasses",
     "TraceEvent",
     "apply_plan",
     "checkpoint",
     "run_sync",
     "tp_model",
+    "tp_stage_blocks",
 ]

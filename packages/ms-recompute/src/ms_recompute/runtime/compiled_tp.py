@@ -208,12 +208,7 @@ class CompiledTPStack:
     def backward(self, kept: Kept, g: ms.Tensor) -> tuple[ms.Tensor, list[list[np.ndarray]]]:
         """The input gradient and every layer's weight gradients (in :meth:`weights` order), from
         what :meth:`forward` kept (used up: a ``Kept`` serves one backward)."""
-        if not isinstance(kept, Kept) or len(kept.values) != len(self.layers):
-            raise RecomputeError(f"backward needs what this stack's forward kept, got {type(kept).__name__}")
-        if kept.used:
-            raise RecomputeError("this forward's values were already used by a backward")
-        kept.used = True
-        self.order, self.recompute_s = [], 0.0
+        self._use(kept)
         cos, sin, _ = kept.rope
         grads: list[list[np.ndarray]] = [[] for _ in self.layers]
         for i in reversed(range(len(self.layers))):
@@ -233,6 +228,48 @@ class CompiledTPStack:
             norm1, norm2 = self._timed(i, "compute", 7, fns["norm_weight_grads"], s1, dh1, s2, dh2)
             grads[i] = [t.asnumpy() for t in (norm1, norm2, *attn_dw(), *mlp_dw())]
         return g, grads
+
+    def backward_input(self, kept: Kept, g: ms.Tensor) -> tuple[ms.Tensor, list[tuple]]:
+        """B alone (a pipeline's split backward): the input gradient, and per layer what
+        :meth:`backward_weight` needs; each f all-reduce is waited for at once (no weight
+        gradients to hide it under). Recompute runs as in :meth:`backward`."""
+        self._use(kept)
+        cos, sin, _ = kept.rope
+        pairs: list[tuple] = [()] * len(self.layers)
+        for i in reversed(range(len(self.layers))):
+            if kept.values[i] is None:
+                self._recompute(kept, i)
+            fns, (s1, s2) = self._fns[i], kept.values[i]
+            kept.values[i] = None
+            dh2_part, w_mlp = self._timed(i, "compute", 2, fns["mlp_backward"], s2, g)
+            dh2 = self._timed(i, "wait", 1, self._timed(i, "issue", 1, _Pending, self.group, dh2_part).result)
+            g1, dh1_part, w_attn = self._timed(i, "compute", 4, fns["attn_backward"], s1, s2, g, dh2, cos, sin)
+            dh1 = self._timed(i, "wait", 2, self._timed(i, "issue", 2, _Pending, self.group, dh1_part).result)
+            g = self._timed(i, "compute", 6, fns["input_grad"], s1, g1, dh1)
+            pairs[i] = (s1, dh1, s2, dh2, w_attn, w_mlp)
+        return g, pairs
+
+    def backward_weight(self, pairs: Sequence[tuple]) -> list[list[np.ndarray]]:
+        """W alone: every layer's weight gradients (in :meth:`weights` order) from what
+        :meth:`backward_input` kept; no communication."""
+        if len(pairs) != len(self.layers):
+            raise RecomputeError(f"backward_weight needs {len(self.layers)} layers' pairs, got {len(pairs)}")
+        grads = []
+        for i, (s1, dh1, s2, dh2, w_attn, w_mlp) in enumerate(pairs):
+            fns = self._fns[i]
+            norm1, norm2 = self._timed(i, "compute", 7, fns["norm_weight_grads"], s1, dh1, s2, dh2)
+            attn = self._timed(i, "compute", 5, fns["attn_weight_grads"], w_attn)
+            mlp = self._timed(i, "compute", 3, fns["mlp_weight_grads"], w_mlp)
+            grads.append([t.asnumpy() for t in (norm1, norm2, *attn, *mlp)])
+        return grads
+
+    def _use(self, kept: Kept) -> None:
+        if not isinstance(kept, Kept) or len(kept.values) != len(self.layers):
+            raise RecomputeError(f"backward needs what this stack's forward kept, got {type(kept).__name__}")
+        if kept.used:
+            raise RecomputeError("this forward's values were already used by a backward")
+        kept.used = True
+        self.order, self.recompute_s = [], 0.0
 
     def _weight_grads(self, layer: int, index: int, fn: Any, pairs: tuple, early: bool) -> Any:
         """Weight gradients now (in flight with the collective just issued) or when asked for."""

@@ -8,6 +8,8 @@ ping-pong order). 1F1B (fused BW: the f all-reduces in flight under the weight g
 ZeroBubbleV (split B and W) train like the single-process model: the loss and every gradient (a
 sharded weight's against the same shard of the reference gradient) within ``_tiny.RTOL``; paired
 recompute gives the gradients of no recompute bit for bit, and the pairs ran their ping-pong order.
+ZeroBubbleV's 1B1F pairs run interleaved at the TP all-reduces (``interleave_layers``): each
+half's all-reduce in flight while the other half computes, in the recorded order, same numbers.
 """
 
 from __future__ import annotations
@@ -29,7 +31,11 @@ RUNS = [  # (schedule, layers per stage, TPStackBlock options)
     ("1f1b", (2, 2), dict(recompute=True, paired=True)),
     ("1f1b", (2, 2), dict(recompute=False)),
     ("zbv", (1, 1, 1, 1), dict(recompute=True, paired=True)),
+    ("zbv+1b1f", (1, 1, 1, 1), dict(recompute=False)),  # pairs interleaved at their all-reduces
 ]
+# a 1B1F pair of one-layer TP stages, interleaved: the forward issues its attention all-reduce,
+# the backward (B) computes its MLP part and issues its first, the forward waits and goes on, ...
+INTERLEAVED = ("F 0>0", "B 0>1", "F 0>8", "B 0>2")
 
 
 def _llama():
@@ -50,17 +56,21 @@ def _rank(group):
     inputs, labels = _tiny.data(full.config.vocab_size)
     out = []
     for name, counts, options in RUNS:
-        schedule = mp.build(name, pp.size, _tiny.M)
+        pairs = name.endswith("+1b1f")
+        overlap = dict(overlap=True) if pairs else {}
+        schedule = mp.build(name.removesuffix("+1b1f"), pp.size, _tiny.M, **overlap)
         stages = tp_stage_blocks(net, counts, tp, **options)
         mine = {s: stages[s] for s in schedule.stages_of(pp.rank)}
         shape = (_tiny.MB, _tiny.SEQ, full.config.hidden_size)
-        runtime = mp.runtime.PipelineRuntime(schedule, mine, pp, activation_shape=shape, jit=True)
+        runtime = mp.runtime.PipelineRuntime(
+            schedule, mine, pp, activation_shape=shape, jit=True,
+            overlap_fn=mp.runtime.interleave_layers if pairs else None,
+        )  # fmt: skip
         result = runtime.step(inputs, labels)
         stacks = [b for s in sorted(mine) for b in mine[s] if isinstance(b, TPStackBlock)]
         orders = [" ".join(str(step) for step in b.pipeline_passes().stack.order) for b in stacks]
-        out.append(
-            dict(loss=result.loss, grads=runtime.grads(), dw={st.dw for st in runtime.stages.values()}, orders=orders)
-        )
+        dw = {st.dw for st in runtime.stages.values()}
+        out.append(dict(loss=result.loss, grads=runtime.grads(), dw=dw, orders=orders, interleaved=result.interleaved))
     return dict(tp_rank=tp.rank, layouts=layouts, runs=out)
 
 
@@ -84,6 +94,11 @@ def test_tensor_parallel_stages_train_like_one_process(run_ranks):
                 seen.add(key)
             if options.get("paired") and max(counts) == 2:  # the BW of the last microbatch: one pair
                 assert run["orders"] == ["1c0 1>0 0c0 0>0 1<0 1c1 0<0 0c1"], run["orders"]
+            if name.endswith("+1b1f"):
+                assert run["interleaved"], "no 1B1F pair ran"
+                assert {steps for _, steps in run["interleaved"]} == {INTERLEAVED}, run["interleaved"]
+            else:
+                assert run["interleaved"] == ()
         assert seen == set(reference), (name, sorted(set(reference) - seen))
     for r in results:  # paired recompute vs none: the same graphs on the same values
         paired, plain = r["runs"][0]["grads"], r["runs"][1]["grads"]

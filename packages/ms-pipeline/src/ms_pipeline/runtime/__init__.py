@@ -4,7 +4,7 @@ CPU, MindSpore's HCCL on Ascend) moves activations and gradients. Imports MindSp
 from __future__ import annotations
 
 from .demo import ToyConfig, run_demo, run_toy, setup_cpu, toy_setup
-from .executor import PipelineRuntime, StepResult
+from .executor import PipelineRuntime, StepResult, interleave_layers
 from .stage import Stage
 from .toy import ToyModel, reference_step, split_blocks, toy_batch
 
@@ -14,6 +14,7 @@ __all__ = [
     "StepResult",
     "ToyConfig",
     "ToyModel",
+    "interleave_layers",
     "reference_step",
     "run_demo",
     "run_toy",

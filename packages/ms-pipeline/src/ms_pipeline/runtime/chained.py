@@ -12,12 +12,16 @@ block's ``pipeline_passes()`` returns, offers:
   segment of the last stage;
 * ``backward_input(kept, g) -> (dx, pairs)``: the input gradient (B) and what W needs;
 * ``backward_weight(pairs) -> grads``: numpy arrays in ``weights()`` order (W);
-* ``backward_full(kept, g) -> (dx, grads)``: both at once (BW).
+* ``backward_full(kept, g) -> (dx, grads)``: both at once (BW);
+* optionally ``forward_steps``, ``backward_input_steps``, ``backward_full_steps``: the same passes
+  as generators that yield a label right after issuing each collective and return the result, so
+  that :func:`~ms_pipeline.runtime.interleave_layers` can run the two halves of a 1B1F pair layer
+  by layer, each one's collective in flight while the other computes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import mindspore as ms
@@ -115,10 +119,13 @@ class ChainedPasses(ExplicitPasses):
         self.acc = None
 
     def forward(self, saved) -> Any:
+        return drain(self.forward_steps(saved))
+
+    def forward_steps(self, saved) -> Any:
         x, kept = saved.x, []
         for i, segment in enumerate(self.segments):
             args = (x, saved.labels) if self.stage.last and i == len(self.segments) - 1 else (x,)
-            x, k = segment.forward(*args)
+            x, k = yield from steps_of(segment, "forward", *args)
             kept.append(k)
         saved.values = kept
         if not self.stage.last:
@@ -126,10 +133,13 @@ class ChainedPasses(ExplicitPasses):
         return x
 
     def backward_input(self, saved, grad_out) -> Any:
+        return drain(self.backward_input_steps(saved, grad_out))
+
+    def backward_input_steps(self, saved, grad_out) -> Any:
         kept, g = self._values(saved), grad_out
         pairs: list[Any] = [None] * len(self.segments)
         for i in reversed(range(len(self.segments))):
-            g, pairs[i] = self.segments[i].backward_input(kept[i], g)
+            g, pairs[i] = yield from steps_of(self.segments[i], "backward_input", kept[i], g)
         saved.pairs, saved.x, saved.labels = pairs, None, None
         return g
 
@@ -138,12 +148,33 @@ class ChainedPasses(ExplicitPasses):
         saved.pairs = None
 
     def backward_full(self, saved, grad_out) -> Any:
+        return drain(self.backward_full_steps(saved, grad_out))
+
+    def backward_full_steps(self, saved, grad_out) -> Any:
         kept, g = self._values(saved), grad_out
         grads: list[list[np.ndarray]] = [[] for _ in self.segments]
         for i in reversed(range(len(self.segments))):
-            g, grads[i] = self.segments[i].backward_full(kept[i], g)
+            g, grads[i] = yield from steps_of(self.segments[i], "backward_full", kept[i], g)
         self._add([x for seg in grads for x in seg])
         return g
 
 
-__all__ = ["ChainedPasses", "GraphSegment", "own_passes", "segments_of"]
+def steps_of(passes: Any, name: str, *args: Any) -> Generator[str, None, Any]:
+    """``passes.<name>_steps(*args)`` where it exists (a pass as steps: it yields a label right
+    after issuing each collective), else ``passes.<name>(*args)`` as one step that yields nothing."""
+    steps = getattr(passes, f"{name}_steps", None)
+    if steps is None:
+        return getattr(passes, name)(*args)
+    return (yield from steps(*args))
+
+
+def drain(steps: Generator[str, None, Any]) -> Any:
+    """Run a pass given as steps to its end; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+__all__ = ["ChainedPasses", "GraphSegment", "drain", "own_passes", "segments_of", "steps_of"]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -42,6 +42,7 @@ from ..messages import Message, message_of
 from ..simulate import CostModel, Event, mean_durations
 from ..transforms import fuse_backward, fuse_where_faster, split_pairs
 from ..validate import validate
+from .chained import drain
 from .stage import Stage
 
 ShapeFn = Callable[[int], Sequence[int]]
@@ -57,6 +58,27 @@ class StepResult:
     """This rank's computations and receive waits, wall-clock seconds."""
     order: tuple[Action, ...] = ()
     """Every action this rank ran, sends and receives included, in the order it ran them."""
+    interleaved: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """Per 1B1F pair run by :func:`interleave_layers`: the pair and its halves' steps in the
+    order they ran ("F 0>0": the forward half issued layer 0's first collective)."""
+
+
+def interleave_layers(runtime: PipelineRuntime, forward: Action, backward: Action) -> None:
+    """An ``overlap_fn`` that runs a 1B1F pair's halves interleaved at their collectives: the
+    forward runs until it has issued a collective (a TP all-reduce inside a layer), then the
+    backward until it has issued one, then the forward again (waiting for its collective, which
+    was in flight meanwhile), and so on; a half without collectives runs whole at its turn. The
+    steps are recorded in ``StepResult.interleaved``. As the pair runs as one action, both its
+    receives come before it and both sends after (``PipelineRuntime(overlap_fn=...)`` lowers it so)."""
+    halves = [("F", runtime.compute_steps(forward)), ("B", runtime.compute_steps(backward))]
+    ran: list[str] = []
+    while halves:
+        for half in list(halves):
+            try:
+                ran.append(f"{half[0]} {next(half[1])}")
+            except StopIteration:
+                halves.remove(half)
+    runtime.interleaved.append((f"({forward};{backward})", tuple(ran)))
 
 
 class PipelineRuntime:
@@ -127,6 +149,7 @@ class PipelineRuntime:
         self.dtype = np.dtype(dtype)
         self.optimizer = optimizer
         self.costs: CostModel | None = None  # what the last tune_backward measured
+        self.interleaved: list[tuple[str, tuple[str, ...]]] = []  # this step's pairs (interleave_layers)
 
     def _use(self, schedule: Schedule) -> None:
         """Run ``schedule`` from the next step on (the stages stay: a variant of the same cut)."""
@@ -194,18 +217,27 @@ class PipelineRuntime:
 
     def run_compute(self, part: Action) -> None:
         """Run one F, B, W or BW (public so that an ``overlap_fn`` can run the halves of a pair)."""
+        drain(self.compute_steps(part, steps=False))
+
+    def compute_steps(self, part: Action, steps: bool = True) -> Generator[str, None, None]:
+        """One F, B, W or BW as steps: it yields a label after each collective its stage's blocks
+        issue (blocks with passes of their own, such as TP layer stacks), so that an ``overlap_fn``
+        can interleave the two halves of a pair (:func:`interleave_layers`); ``steps=False`` runs
+        the stage's plain passes (what :meth:`run_compute` does)."""
         s, mb, stage = part.stage, part.microbatch, self.stages[part.stage]
         if part.kind is Kind.F:
             labels = self._labels[mb] if stage.last else None
-            out = stage.forward(mb, self._input(s, mb), labels)
+            x = self._input(s, mb)
+            out = (yield from stage.forward_steps(mb, x, labels)) if steps else stage.forward(mb, x, labels)
             out.asnumpy()  # synchronise, so the recorded end time is the real one
             if stage.last:
                 self._losses[mb] = float(out.asnumpy())
             else:
                 self._outbox[Kind.F, s, mb] = out
         elif part.kind in (Kind.B, Kind.BW):
-            run = stage.backward_input if part.kind is Kind.B else stage.backward_full
-            dx = run(mb, self._grad_output(s, mb))
+            name = "backward_input" if part.kind is Kind.B else "backward_full"
+            g = self._grad_output(s, mb)
+            dx = (yield from getattr(stage, f"{name}_steps")(mb, g)) if steps else getattr(stage, name)(mb, g)
             if dx is not None:
                 dx.asnumpy()
             if s > 0:
@@ -255,6 +287,7 @@ class PipelineRuntime:
         self._losses: dict[int, float] = {}
         self._events: list[Event] = []
         self._order: list[Action] = []
+        self.interleaved: list[tuple[str, tuple[str, ...]]] = []
         self._next_post = 0
         self.group.barrier()  # a common start, so the ranks' clocks line up in the trace
         for i, action in enumerate(self.actions):
@@ -273,7 +306,7 @@ class PipelineRuntime:
             )
         total = np.array([sum(self._losses.values()) / m], dtype=np.float64)
         self.group.all_reduce(total)  # only the rank of the last stage adds a non-zero
-        return StepResult(float(total[0]), tuple(self._events), tuple(self._order))
+        return StepResult(float(total[0]), tuple(self._events), tuple(self._order), tuple(self.interleaved))
 
     def tune_backward(
         self, inputs: Sequence[Any], labels: Sequence[Any], *, steps: int = 1, comm: float = 0.0

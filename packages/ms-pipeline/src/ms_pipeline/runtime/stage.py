@@ -36,7 +36,7 @@ and stage 0, whose input is the data, computes no input gradient.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +53,7 @@ from .backward import (
     has_explicit_passes,
     hooked_for_recompute,
 )
-from .chained import ChainedPasses, own_passes, segments_of
+from .chained import ChainedPasses, drain, own_passes, segments_of, steps_of
 from .deferred_dw import DeferredLinearGrads
 
 #: how B and W get their gradients (module docstring)
@@ -188,17 +188,26 @@ class Stage:
     # ------------------------------------------------------------ the passes
     def forward(self, mb: int, x: Any, labels: Any = None) -> Any:
         """F: run the stage; keep what B needs. Returns the output (the loss on the last stage)."""
+        return drain(self.forward_steps(mb, x, labels))
+
+    def forward_steps(self, mb: int, x: Any, labels: Any = None) -> Generator[str, None, Any]:
+        """:meth:`forward` as steps: a label is yielded after each collective a block's passes
+        issue (only blocks with passes of their own have any), the output returned."""
         if mb in self._saved:
             raise ScheduleError(f"stage {self.index}: microbatch {mb} ran its forward twice")
         saved = self._saved[mb] = _Saved(mb, x, labels)
-        return self.backward.forward(saved)
+        return (yield from steps_of(self.backward, "forward", saved))
 
     def backward_input(self, mb: int, grad_out: Any) -> Any:
         """B: the input gradient; keeps what W needs. Returns dx (None on the first stage, whose
         input is the data)."""
+        return drain(self.backward_input_steps(mb, grad_out))
+
+    def backward_input_steps(self, mb: int, grad_out: Any) -> Generator[str, None, Any]:
+        """:meth:`backward_input` as steps (see :meth:`forward_steps`)."""
         saved = self._pending(mb, "B")
         saved.grad_out, saved.done_b = grad_out, True
-        dx = self.backward.backward_input(saved, grad_out)
+        dx = yield from steps_of(self.backward, "backward_input", saved, grad_out)
         return None if self.first else dx
 
     def backward_weight(self, mb: int) -> None:
@@ -211,10 +220,14 @@ class Stage:
 
     def backward_full(self, mb: int, grad_out: Any) -> Any:
         """BW: input and weight gradients together (1F1B, GPipe). Returns dx (None on stage 0)."""
+        return drain(self.backward_full_steps(mb, grad_out))
+
+    def backward_full_steps(self, mb: int, grad_out: Any) -> Generator[str, None, Any]:
+        """:meth:`backward_full` as steps (see :meth:`forward_steps`)."""
         saved = self._pending(mb, "BW")
         del self._saved[mb]
         saved.grad_out = grad_out
-        dx = self.backward.backward_full(saved, grad_out)
+        dx = yield from steps_of(self.backward, "backward_full", saved, grad_out)
         return None if self.first else dx
 
     def _pending(self, mb: int, what: str) -> _Saved:

@@ -24,7 +24,7 @@ as :class:`ms_recompute.pairing.Step`) and timed (``events``), like the PyNative
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,13 +167,23 @@ class CompiledTPStack:
     def forward(self, x: ms.Tensor, cos: ms.Tensor, sin: ms.Tensor, allowed: ms.Tensor) -> tuple[ms.Tensor, Kept]:
         """The stack's output and what its backward needs: each layer's input (recompute) or its
         values. Several forwards may be kept at once (a pipeline's microbatches), each its own ``Kept``."""
+        return drain(self.forward_steps(x, cos, sin, allowed))
+
+    def forward_steps(self, x: ms.Tensor, cos: ms.Tensor, sin: ms.Tensor, allowed: ms.Tensor) -> Steps:
+        """:meth:`forward` as steps: yields ``"<layer>><index>"`` right after issuing each
+        all-reduce, before waiting for it, so a driver can run another pass's compute while it is
+        in flight (a 1B1F pair interleaved layer by layer); returns what :meth:`forward` returns."""
         self.events = []
         kept = Kept((cos, sin, allowed), [], [])
         for i, fns in enumerate(self._fns):
             a, s1 = self._timed(i, "compute", 0, fns["attn_forward"], x, cos, sin, allowed)
-            a_sum = _Pending(self.group, a).result()
+            pending = self._timed(i, "issue", 0, _Pending, self.group, a)
+            yield f"{i}>0"
+            a_sum = self._timed(i, "wait", 0, pending.result)
             h, m, s2 = self._timed(i, "compute", 1, fns["mlp_forward"], x, a_sum)
-            out = ms.Tensor.from_numpy(h.asnumpy() + _Pending(self.group, m).result().asnumpy())
+            pending = self._timed(i, "issue", 8, _Pending, self.group, m)
+            yield f"{i}>8"
+            out = ms.Tensor.from_numpy(h.asnumpy() + self._timed(i, "wait", 8, pending.result).asnumpy())
             kept.inputs.append(x if self.recompute else None)
             kept.values.append(None if self.recompute else (s1, s2))
             x = out
@@ -208,6 +218,11 @@ class CompiledTPStack:
     def backward(self, kept: Kept, g: ms.Tensor) -> tuple[ms.Tensor, list[list[np.ndarray]]]:
         """The input gradient and every layer's weight gradients (in :meth:`weights` order), from
         what :meth:`forward` kept (used up: a ``Kept`` serves one backward)."""
+        return drain(self.backward_steps(kept, g))
+
+    def backward_steps(self, kept: Kept, g: ms.Tensor) -> Steps:
+        """:meth:`backward` as steps: yields ``"<layer>><index>"`` after issuing each f all-reduce
+        (then the sublayer's weight gradients compute, then the wait)."""
         self._use(kept)
         cos, sin, _ = kept.rope
         grads: list[list[np.ndarray]] = [[] for _ in self.layers]
@@ -218,10 +233,12 @@ class CompiledTPStack:
             kept.values[i] = None
             dh2_part, w_mlp = self._timed(i, "compute", 2, fns["mlp_backward"], s2, g)
             pending = self._timed(i, "issue", 1, _Pending, self.group, dh2_part)
+            yield f"{i}>1"
             mlp_dw = self._weight_grads(i, 3, fns["mlp_weight_grads"], w_mlp, early=self.overlap)
             dh2 = self._timed(i, "wait", 1, pending.result)
             g1, dh1_part, w_attn = self._timed(i, "compute", 4, fns["attn_backward"], s1, s2, g, dh2, cos, sin)
             pending = self._timed(i, "issue", 2, _Pending, self.group, dh1_part)
+            yield f"{i}>2"
             attn_dw = self._weight_grads(i, 5, fns["attn_weight_grads"], w_attn, early=self.overlap)
             dh1 = self._timed(i, "wait", 2, pending.result)
             g = self._timed(i, "compute", 6, fns["input_grad"], s1, g1, dh1)
@@ -233,6 +250,10 @@ class CompiledTPStack:
         """B alone (a pipeline's split backward): the input gradient, and per layer what
         :meth:`backward_weight` needs; each f all-reduce is waited for at once (no weight
         gradients to hide it under). Recompute runs as in :meth:`backward`."""
+        return drain(self.backward_input_steps(kept, g))
+
+    def backward_input_steps(self, kept: Kept, g: ms.Tensor) -> Steps:
+        """:meth:`backward_input` as steps: yields ``"<layer>><index>"`` after issuing each f all-reduce."""
         self._use(kept)
         cos, sin, _ = kept.rope
         pairs: list[tuple] = [()] * len(self.layers)
@@ -242,9 +263,13 @@ class CompiledTPStack:
             fns, (s1, s2) = self._fns[i], kept.values[i]
             kept.values[i] = None
             dh2_part, w_mlp = self._timed(i, "compute", 2, fns["mlp_backward"], s2, g)
-            dh2 = self._timed(i, "wait", 1, self._timed(i, "issue", 1, _Pending, self.group, dh2_part).result)
+            pending = self._timed(i, "issue", 1, _Pending, self.group, dh2_part)
+            yield f"{i}>1"
+            dh2 = self._timed(i, "wait", 1, pending.result)
             g1, dh1_part, w_attn = self._timed(i, "compute", 4, fns["attn_backward"], s1, s2, g, dh2, cos, sin)
-            dh1 = self._timed(i, "wait", 2, self._timed(i, "issue", 2, _Pending, self.group, dh1_part).result)
+            pending = self._timed(i, "issue", 2, _Pending, self.group, dh1_part)
+            yield f"{i}>2"
+            dh1 = self._timed(i, "wait", 2, pending.result)
             g = self._timed(i, "compute", 6, fns["input_grad"], s1, g1, dh1)
             pairs[i] = (s1, dh1, s2, dh2, w_attn, w_mlp)
         return g, pairs
@@ -289,6 +314,19 @@ class CompiledTPStack:
         return out
 
 
+Steps = Generator[str, None, Any]
+"""A pass as steps: yields a label after issuing each collective, returns the pass's result."""
+
+
+def drain(steps: Steps) -> Any:
+    """Run a pass given as steps to its end; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
 def _sync(out: Any) -> None:
     """Wait for a compiled call's outputs (a graph may return before its kernels finish)."""
     first = out
@@ -298,4 +336,4 @@ def _sync(out: Any) -> None:
         first.asnumpy()
 
 
-__all__ = ["CompiledTPStack", "Kept", "TPLayerPasses"]
+__all__ = ["CompiledTPStack", "Kept", "Steps", "TPLayerPasses", "drain"]

@@ -13,7 +13,10 @@ stage stay compiled graphs):
   computes);
 * ``backward_weight(pairs) -> grads``: W, numpy arrays in ``weights()`` order, no communication;
 * ``backward_full(kept, g) -> (dx, grads)``: BW (1F1B), each f all-reduce in flight under the
-  same sublayer's weight gradients.
+  same sublayer's weight gradients;
+* ``forward_steps``, ``backward_input_steps``, ``backward_full_steps``: the same passes as
+  generators that yield right after issuing each collective, so that ms-pipeline can run the two
+  halves of a 1B1F pair layer by layer, one's all-reduce in flight while the other computes.
 
 :func:`tp_stage_blocks` cuts a ``tp_model`` into per-stage block lists: the embedding joins the
 first stage and the head the last, each stage's layers become one ``TPStackBlock``.
@@ -29,7 +32,7 @@ import numpy as np
 from mindspore import nn, ops
 
 from ..errors import RecomputeError
-from .compiled_tp import CompiledTPStack, Kept
+from .compiled_tp import CompiledTPStack, Kept, Steps, drain
 
 
 def _rope_and_mask(rotary: nn.Cell, x: ms.Tensor) -> tuple:
@@ -95,8 +98,7 @@ class TPStackPasses:
         return [p for layer in self.stack.weights() for p in layer]
 
     def forward(self, x: ms.Tensor) -> tuple[ms.Tensor, Kept]:
-        cos, sin, allowed = self._rope(x)
-        return self.stack.forward(x, cos, sin, allowed)
+        return drain(self.forward_steps(x))
 
     def backward_input(self, kept: Kept, g: ms.Tensor) -> tuple[ms.Tensor, list]:
         return self.stack.backward_input(kept, g)
@@ -105,7 +107,19 @@ class TPStackPasses:
         return [g for layer in self.stack.backward_weight(pairs) for g in layer]
 
     def backward_full(self, kept: Kept, g: ms.Tensor) -> tuple[ms.Tensor, list[np.ndarray]]:
-        dx, grads = self.stack.backward(kept, g)
+        return drain(self.backward_full_steps(kept, g))
+
+    # the same passes as steps (each yields after issuing a collective): ms-pipeline interleaves
+    # the two halves of a 1B1F pair through them, layer by layer
+    def forward_steps(self, x: ms.Tensor) -> Steps:
+        cos, sin, allowed = self._rope(x)
+        return (yield from self.stack.forward_steps(x, cos, sin, allowed))
+
+    def backward_input_steps(self, kept: Kept, g: ms.Tensor) -> Steps:
+        return (yield from self.stack.backward_input_steps(kept, g))
+
+    def backward_full_steps(self, kept: Kept, g: ms.Tensor) -> Steps:
+        dx, grads = yield from self.stack.backward_steps(kept, g)
         return dx, [x for layer in grads for x in layer]
 
 

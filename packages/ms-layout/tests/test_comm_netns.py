@@ -160,3 +160,12 @@ def test_bad_node_arguments_name_the_value(shaped_network, call, message):
 def test_a_closed_network_refuses_node_commands():
     with pytest.raises(CommError, match="is not up"):
         netns.ShapedNetwork(2).exec_argv(0, ["true"])
+
+
+def test_auto_burst_is_four_milliseconds_of_the_rate_at_least_64k():
+    assert netns.rate_bits("567585kbit") == 567_585_000
+    assert netns.ShapedNetwork(2, rate="567585kbit").bucket == "283792b"
+    assert netns.ShapedNetwork(2, rate="100mbit").bucket == "65536b"  # 50 kB in 4 ms: the floor
+    assert netns.ShapedNetwork(2, rate="1gbit", burst="32kb").bucket == "32kb"
+    with pytest.raises(CommError, match="not a tc rate"):
+        netns.rate_bits("fast")

@@ -187,3 +187,34 @@ def test_runtime_argument_errors_are_named():
         runtime.step(ids, labels)
     with pytest.raises(ScheduleError, match="no optimizer"):
         runtime.optimizer_step()
+
+
+def test_interleave_layers_runs_pairs_whole_where_no_block_communicates():
+    """interleave_layers on blocks without passes of their own: each pair runs as one action, its
+    halves whole (no collective to alternate at), with the same gradients; tune_backward refuses
+    what it cannot tune."""
+    import ms_pipeline as mp
+    from ms_pipeline.runtime import PipelineRuntime, interleave_layers
+
+    net = Net()
+    ids, labels = _data(3)
+    ref = _reference(net, ids, labels)
+    blocks = list(net.blocks)
+    schedule = mp.zero_bubble_v(1, 3, overlap=True)
+    runtime = PipelineRuntime(
+        schedule, {0: blocks[:2], 1: blocks[2:]}, _OneRank(), activation_shape=(2, 5, D), overlap_fn=interleave_layers
+    )
+    result = runtime.step(ids, labels)
+    pairs = [a for a in schedule.actions[0] if a.kind is mp.Kind.OVERLAP_F_B]
+    assert [name for name, _ in result.interleaved] == [str(a) for a in pairs] and pairs
+    assert {steps for _, steps in result.interleaved} == {()}
+    by_id = {id(p): p.name for p in runtime.params}
+    for pid, g in ref.items():
+        np.testing.assert_allclose(runtime.grads()[by_id[pid]], g, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ScheduleError, match="has 1B1F pairs"):
+        runtime.tune_backward(ids, labels)
+    fused = PipelineRuntime(
+        mp.fuse_backward(mp.zero_bubble_v(1, 3)), {0: blocks[:2], 1: blocks[2:]}, _OneRank(), activation_shape=(2, 5, D)
+    )
+    with pytest.raises(ScheduleError, match="no separate B"):
+        fused.tune_backward(ids, labels)

@@ -78,7 +78,7 @@ def interleave_layers(runtime: PipelineRuntime, forward: Action, backward: Actio
                 ran.append(f"{half[0]} {next(half[1])}")
             except StopIteration:
                 halves.remove(half)
-    runtime.interleaved.append((f"({forward};{backward})", tuple(ran)))
+    runtime.interleaved.append((str(Action.overlap(forward, backward)), tuple(ran)))
 
 
 class PipelineRuntime:

@@ -34,6 +34,15 @@ class EmbedBlock(nn.Cell):
         return EmbedBlockPasses(self)
 
 
+def rope_and_mask(rotary: nn.Cell, x) -> tuple:
+    """(cos, sin, causal mask) for a hidden state ``x`` [B, S, H]: positions 0..S-1 in every row."""
+    b, s = x.shape[0], x.shape[1]
+    positions = ops.broadcast_to(ops.arange(0, s, 1, dtype=ms.int32).expand_dims(0), (b, s))
+    cos, sin = rotary(positions)
+    allowed = (ops.tril(ops.ones((s, s), ms.float32)) > 0.5).expand_dims(0).expand_dims(1)
+    return cos, sin, allowed
+
+
 class LayerBlock(nn.Cell):
     """hidden -> hidden through one decoder layer, causal over the whole sequence"""
 
@@ -42,10 +51,7 @@ class LayerBlock(nn.Cell):
         self.layer, self.rotary = layer, rotary
 
     def construct(self, x):
-        b, s = x.shape[0], x.shape[1]
-        positions = ops.broadcast_to(ops.arange(0, s, 1, dtype=ms.int32).expand_dims(0), (b, s))
-        cos, sin = self.rotary(positions)
-        allowed = (ops.tril(ops.ones((s, s), ms.float32)) > 0.5).expand_dims(0).expand_dims(1)
+        cos, sin, allowed = rope_and_mask(self.rotary, x)
         return self.layer(x, cos, sin, allowed)
 
     def explicit_passes(self) -> nn.Cell:

@@ -8,9 +8,9 @@ RoPE angles and causal mask from the hidden state's shape, and the final norm, L
 
 from __future__ import annotations
 
-import mindspore as ms
 from mindspore import nn, ops
 
+from ..blocks import rope_and_mask
 from ..errors import ModelError
 from . import host_ops
 from . import ops as P
@@ -89,14 +89,6 @@ class EmbedBlockPasses(nn.Cell):
         return (k.embedding_dw(ids, g, self.vocab),)
 
 
-def _angles_and_mask(rotary, x):
-    b, s = x.shape[0], x.shape[1]
-    positions = ops.broadcast_to(ops.arange(0, s, 1, dtype=ms.int32).expand_dims(0), (b, s))
-    cos, sin = rotary(positions)
-    allowed = (ops.tril(ops.ones((s, s), ms.float32)) > 0.5).expand_dims(0).expand_dims(1)
-    return cos, sin, allowed
-
-
 class LayerBlockPasses(nn.Cell):
     """hidden -> hidden through one decoder layer, causal over the whole sequence."""
 
@@ -112,11 +104,11 @@ class LayerBlockPasses(nn.Cell):
         return self.layer.weights()
 
     def forward(self, x):
-        cos, sin, allowed = _angles_and_mask(self.rotary, x)
+        cos, sin, allowed = rope_and_mask(self.rotary, x)
         return self.layer.forward(x, cos, sin, allowed)
 
     def backward_input(self, saved, g):
-        cos, sin, _ = _angles_and_mask(self.rotary, g)
+        cos, sin, _ = rope_and_mask(self.rotary, g)
         return self.layer.backward_input(saved, g, cos, sin)
 
     def backward_weight(self, pairs, k=P):

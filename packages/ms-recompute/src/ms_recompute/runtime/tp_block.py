@@ -29,18 +29,12 @@ from typing import Any
 
 import mindspore as ms
 import numpy as np
-from mindspore import nn, ops
+from mindspore import nn
+
+from ms_models.blocks import rope_and_mask
 
 from ..errors import RecomputeError
 from .compiled_tp import CompiledTPStack, Kept, Steps, drain
-
-
-def _rope_and_mask(rotary: nn.Cell, x: ms.Tensor) -> tuple:
-    b, s = x.shape[0], x.shape[1]
-    positions = ops.broadcast_to(ops.arange(0, s, 1, dtype=ms.int32).expand_dims(0), (b, s))
-    cos, sin = rotary(positions)
-    allowed = (ops.tril(ops.ones((s, s), ms.float32)) > 0.5).expand_dims(0).expand_dims(1)
-    return cos, sin, allowed
 
 
 class TPStackBlock(nn.Cell):
@@ -71,7 +65,7 @@ class TPStackBlock(nn.Cell):
         self._passes: TPStackPasses | None = None
 
     def construct(self, x):
-        cos, sin, allowed = _rope_and_mask(self.rotary, x)
+        cos, sin, allowed = rope_and_mask(self.rotary, x)
         for layer in self.layers:
             x = layer(x, cos, sin, allowed)
         return x
@@ -92,7 +86,7 @@ class TPStackPasses:
         self._rope = ms.jit(self._rope_fn) if block.options["jit"] else self._rope_fn
 
     def _rope_fn(self, x):
-        return _rope_and_mask(self.block.rotary, x)
+        return rope_and_mask(self.block.rotary, x)
 
     def weights(self) -> list[ms.Parameter]:
         return [p for layer in self.stack.weights() for p in layer]

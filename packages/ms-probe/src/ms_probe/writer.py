@@ -102,8 +102,9 @@ class DumpWriter:
             stacks = {str(i): [names, list(frames)] for i, (frames, names) in enumerate(self._stacks.items())}
             names = list(self._tensors)
             for name, obj in (("dump.json", dump), ("stack.json", stacks), ("construct.json", self.construct)):
-                # Strict JSON (no NaN literals), indented like msprobe's files.
-                (work / name).write_text(json.dumps(obj, indent=1, allow_nan=False))
+                # Strict JSON (no NaN literals); not indented, so the C encoder writes it (indented, the
+                # pure-Python encoder took 15 ms of a 117 ms step for 144 modules' statistics)
+                (work / name).write_text(json.dumps(obj, allow_nan=False))
                 names.append(name)
             if self.warnings:
                 text = "".join(w.rstrip("\n") + "\n" for w in self.warnings)

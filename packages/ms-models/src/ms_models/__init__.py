@@ -21,32 +21,65 @@ Pipeline blocks
 Parallel layouts
     model_layouts(model_or_config, parallel_config) -> {param name: ms_layout.ParamPlacement},
     param_shapes(config) -> {param name: shape} (no model built).
+Tensor and expert parallelism
+    ms_models.parallel: ShardPlan, the TP/EP layers, local configs, sharded loading (its own docs).
 Errors
     ModelError (a ValueError).
 """
 
 from __future__ import annotations
 
-from .base import CausalLM, packed_positions
-from .blocks import pipeline_blocks
-from .config import DecoderConfig, DeepseekV3Config, LlamaConfig, Qwen2Config, config_from_dict, load_config
-from .deepseek_v3 import DeepseekV3ForCausalLM
-from .dense import LlamaForCausalLM, Qwen2ForCausalLM
-from .errors import ModelError
-from .generate import BlockAllocator, generate_greedy, generate_greedy_recompute
-from .io import (
-    from_config,
-    from_pretrained,
-    hf_state_dict,
-    load_safetensors,
-    load_state_dict,
-    read_safetensors,
-    save_safetensors,
-)
-from .layers import linear
-from .layouts import model_layouts, param_shapes
-from .paged_cache import PagedMetadata, allocate_kv_caches
-from .tiny import TINY_CONFIGS, make_tiny, tiny_config
+import importlib
+
+# name -> submodule. Imported on first use (PEP 562), so that `ms_models.config` and
+# `ms_models.parallel.plan` load without MindSpore (vLLM's API server process checks plans with them).
+_WHERE = {
+    "CausalLM": "base",
+    "packed_positions": "base",
+    "pipeline_blocks": "blocks",
+    "DecoderConfig": "config",
+    "DeepseekV3Config": "config",
+    "LlamaConfig": "config",
+    "Qwen2Config": "config",
+    "config_from_dict": "config",
+    "load_config": "config",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "LlamaForCausalLM": "dense",
+    "Qwen2ForCausalLM": "dense",
+    "ModelError": "errors",
+    "BlockAllocator": "generate",
+    "generate_greedy": "generate",
+    "generate_greedy_recompute": "generate",
+    "from_config": "io",
+    "from_pretrained": "io",
+    "hf_state_dict": "io",
+    "load_safetensors": "io",
+    "load_state_dict": "io",
+    "read_safetensors": "io",
+    "save_safetensors": "io",
+    "linear": "layers",
+    "model_layouts": "layouts",
+    "param_shapes": "layouts",
+    "PagedMetadata": "paged_cache",
+    "allocate_kv_caches": "paged_cache",
+    "TINY_CONFIGS": "tiny",
+    "make_tiny": "tiny",
+    "tiny_config": "tiny",
+}
+
+
+def __getattr__(name: str):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ms_models' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_WHERE))
+
 
 __version__ = "0.1.0"
 

@@ -12,7 +12,7 @@ between two collectives is one `mindspore.jit` graph per shape bucket:
                the logits                                                      -> all-gather
 
 so a model of L layers runs 2L + 2 graphs and 2L + 1 all-reduces a step, the collectives Megatron
-has (two per layer) plus the embedding's. The TP cells (tp_model.py) are switched to `defer` mode
+has (two per layer) plus the embedding's. The TP cells (ms_models.parallel) are switched to `defer` mode
 for this: each returns its partial sum and the graph after the collective adds the bias a
 row-parallel linear adds once after its sum. Each graph returns the value the next collective
 needs first (the one it computes last: reading another output first busy-waits the host thread,
@@ -26,11 +26,11 @@ import numpy as np
 from mindspore import ParameterTuple, Tensor, jit, nn, ops
 
 from ms_models import linear
+from ms_models.parallel import RowParallelLinear, all_reduce, defer_collectives
 
 from .batch import StepBatch
 from .buckets import Bucket, BucketConfig
 from .compiled import batch_inputs, compile_each, empty_batch
-from .tp_model import RowParallelLinear, all_reduce, defer_collectives
 
 
 def _bias(cell) -> object:

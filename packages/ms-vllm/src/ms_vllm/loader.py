@@ -16,8 +16,7 @@ def load_ms_model(vllm_config, group=None):
     path = model_config.model
     method = model_config.quantization
     if group is not None:
-        from .parallel import ShardPlan
-        from .tp_model import build_tp_model
+        from ms_models.parallel import ShardPlan, build_tp_model
 
         parallel = vllm_config.parallel_config
         plan = ShardPlan(group.size, group.rank, bool(parallel.enable_expert_parallel))

@@ -53,7 +53,7 @@ class MindSporeModelRunner:
         self.vllm_config = vllm_config
         self.model = model
         self.group = group
-        """The tensor/expert-parallel group of a sharded model (tp_model.py), None in one process."""
+        """The tensor/expert-parallel group of a sharded model (ms_models.parallel), None in one process."""
         self.block_size = vllm_config.cache_config.block_size
         self.max_model_len = vllm_config.model_config.max_model_len
         # The full vocabulary (under TP the model's own config holds one rank's slice of it).

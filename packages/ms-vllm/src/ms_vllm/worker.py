@@ -5,7 +5,7 @@ vLLM calls, in order: `init_device`, `load_model`, `get_kv_cache_spec`,
 `compile_or_warm_up_model`, then `execute_model` once per engine step (and `take_draft_token_ids`
 after it when speculative decoding is on). With tensor/expert parallelism vLLM's multiprocessing
 executor starts one such worker per rank and sends every call to all of them; each runs it on its
-shard (parallel.py, tp_model.py) and rank 0's ModelRunnerOutput is the one vLLM reads.
+shard (ms_models.parallel) and rank 0's ModelRunnerOutput is the one vLLM reads.
 """
 
 from __future__ import annotations

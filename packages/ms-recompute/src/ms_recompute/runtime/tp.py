@@ -1,49 +1,31 @@
 """A small tensor-parallel decoder (Megatron-style TP) built from an ms_models Llama/Qwen2 model.
 
-One TP rank's shard of a decoder layer is itself an ms_models decoder layer with a 1/tp share of the
-heads and of the MLP width: q/k/v and gate/up are column-parallel (rows split), o_proj and down_proj
-row-parallel (columns split), cut from the full weights with the layouts ``ms_models.model_layouts``
-gives under ``ParallelConfig(tp=...)``. ``TPDecoderLayer`` runs that shard between Megatron's two
-conjugate operators (Shoeybi et al., arXiv 1909.08053, fig. 3):
+One TP rank's shard is cut by ``ms_models.parallel`` (the TP layers ms-vllm serves with): each
+decoder layer keeps a 1/tp share of the heads and of the MLP width, q/k/v and gate/up column-parallel,
+o_proj and down_proj ``RowParallelLinear`` in ``defer`` mode (they return their partial sums).
+``TPDecoderLayer`` runs that shard between Megatron's two conjugate operators (Shoeybi et al.,
+arXiv 1909.08053, fig. 3):
 
     h   = x + g(self_attn(f(input_layernorm(x))))        g: all-reduce forward, identity backward
     out = h + g(mlp(f(post_attention_layernorm(h))))     f: identity forward, all-reduce backward
 
 Its forward is a *program* (``ms_recompute.runtime.checkpoint``): it yields each g all-reduce, so the
 recompute can start it asynchronously and compute the other layer of a pair meanwhile. Embedding,
-final norm and head stay replicated (no vocab parallelism; this model exists to exercise recompute
-under TP, not to be a full TP implementation). Row-parallel biases are refused: each rank would add
-the bias before the all-reduce sums the ranks.
+final norm and head stay whole on every rank (``vocab_parallel=False``). Row-parallel biases are
+refused: the explicit passes add a bias before the all-reduce, so each rank would add it once.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-import numpy as np
-from mindspore import Tensor, nn
+from mindspore import nn
 
-from ms_layout import Layout, ParallelConfig, shard
+from ms_layout import Layout, ParallelConfig
+from ms_models.parallel import CopyToTP, ParallelError, ShardPlan, defer_collectives, shard_model
 
 from ..errors import RecomputeError
 from .checkpoint import AllReduce, Program, run_sync
-
-
-class CopyToTP(nn.Cell):
-    """Megatron's f: identity in the forward; the gradient is all-reduced over the TP group."""
-
-    def __init__(self, group: Any):
-        super().__init__()
-        self.group = group
-
-    def construct(self, x):
-        return x
-
-    def bprop(self, x, out, dout):
-        buf = np.array(dout.asnumpy(), copy=True, order="C")
-        self.group.all_reduce(buf)
-        return (Tensor.from_numpy(buf),)
 
 
 class TPDecoderLayer(nn.Cell):
@@ -73,7 +55,7 @@ class TPDecoderLayer(nn.Cell):
         return run_sync(self.program(x, cos, sin, allowed))
 
 
-def _shard_config(config: Any, tp: int) -> Any:
+def _check_config(config: Any, tp: int) -> None:
     if getattr(config, "model_type", None) not in ("llama", "qwen2"):
         raise RecomputeError(
             f"tp_model supports llama and qwen2 configs, got model_type {getattr(config, 'model_type', None)!r}"
@@ -82,15 +64,10 @@ def _shard_config(config: Any, tp: int) -> Any:
         raise RecomputeError(
             "tp_model cannot shard row-parallel biases (o_proj/down_proj bias): set attention_bias/mlp_bias False"
         )
-    sizes = {
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "intermediate_size": config.intermediate_size,
-    }
-    bad = {k: v for k, v in sizes.items() if v % tp}
-    if bad:
-        raise RecomputeError(f"tp={tp} does not divide {bad}")
-    return dataclasses.replace(config, **{k: v // tp for k, v in sizes.items()}, head_dim=config.head_dim)
+    try:
+        ShardPlan(tp, 0, vocab_parallel=False).check(config.to_dict())
+    except ParallelError as e:
+        raise RecomputeError(f"tp_model: {e}") from None
 
 
 def tp_model(model: Any, group: Any) -> tuple[Any, dict[str, Layout]]:
@@ -101,20 +78,13 @@ def tp_model(model: Any, group: Any) -> tuple[Any, dict[str, Layout]]:
     import ms_models
 
     tp = group.size
+    _check_config(model.config, tp)
     placements = ms_models.model_layouts(model, ParallelConfig(tp=tp))
-    tp_net = type(model)(_shard_config(model.config, tp))
-    full = dict(model.parameters_and_names())
-    layouts: dict[str, Layout] = {}
-    names: dict[int, str] = {}
-    for name, param in tp_net.parameters_and_names():
-        value = full[name].asnumpy()
-        if name.startswith("model.layers."):  # layers are sharded; embedding, final norm and head replicated
-            layouts[name] = placements[name].layout
-            value = shard(value, layouts[name], group.rank)
-        if tuple(value.shape) != tuple(param.shape):
-            raise RecomputeError(f"{name}: shard shape {value.shape} does not fit the TP layer's {tuple(param.shape)}")
-        param.set_data(Tensor(np.ascontiguousarray(value)))
-        names[id(param)] = name
+    # layers are sharded; embedding, final norm and head stay whole
+    layouts = {name: p.layout for name, p in placements.items() if name.startswith("model.layers.")}
+    tp_net = shard_model(model, ShardPlan(tp, group.rank, vocab_parallel=False), group)
+    defer_collectives(tp_net)  # o_proj / down_proj return partial sums: TPDecoderLayer yields the all-reduce
+    names = {id(param): name for name, param in tp_net.parameters_and_names()}
     layers = tp_net.model.layers
     for i in range(len(layers)):
         layers[i] = TPDecoderLayer(layers[i], group)

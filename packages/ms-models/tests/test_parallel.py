@@ -1,5 +1,6 @@
-"""The sharded model on 2 gloo ranks (ms_layout.comm) against the same checkpoint in one process:
-paged logits over a prefill then a decode step agree, for TP and TP + EP."""
+"""ms_models.parallel: the sharded model on 2 gloo ranks (ms_layout.comm) against the same checkpoint
+in one process (paged logits over a prefill then a decode step agree, for TP and TP + EP); a shard cut
+from a model in memory equals the one read from its checkpoint."""
 
 from __future__ import annotations
 
@@ -8,8 +9,6 @@ import pytest
 
 from ms_layout.testing import UNIT_ROUNDOFF as U
 from ms_layout.testing import assert_close
-
-pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch]
 
 PROMPT = [0, 17, 23, 99, 5, 61, 200, 31, 8]
 BLOCK = 4
@@ -53,8 +52,7 @@ def _rank(group, cases):
     """Each (path, expert_parallel) case's paged logits and parameter shapes on this rank."""
     import mindspore as ms
 
-    from ms_vllm.parallel import ShardPlan
-    from ms_vllm.tp_model import build_tp_model
+    from ms_models.parallel import ShardPlan, build_tp_model
 
     ms.set_device("CPU")
     out = []
@@ -98,3 +96,43 @@ def test_deepseek_tp2_ep2_matches_one_process(tiny_dirs, run_ranks):
         assert sizes["model.layers.1.mlp.gate.weight"] == (8, 64)  # the router sees every expert
         assert sizes["model.layers.1.mlp.shared_experts.gate_proj.weight"] == (16, 64)
         assert sizes["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] == (24, 64)  # latent: replicated
+
+
+def _in_memory_rank(group, path):
+    """Each plan's shard cut from the whole model in memory and read from the checkpoint."""
+    import mindspore as ms
+
+    from ms_models import from_pretrained
+    from ms_models.parallel import ShardPlan, build_tp_model, shard_model
+
+    ms.set_device("CPU")
+    full = from_pretrained(str(path))
+    out = []
+    for ep, vocab in ((False, True), (True, False)):
+        plan = ShardPlan(group.size, group.rank, expert_parallel=ep, vocab_parallel=vocab)
+        a, b = shard_model(full, plan, group), build_tp_model(str(path), plan, group)
+        pa, pb = dict(a.parameters_and_names()), dict(b.parameters_and_names())
+        out.append((sorted(pa) == sorted(pb), {n: bool(np.array_equal(pa[n].asnumpy(), pb[n].asnumpy())) for n in pa}))
+        out[-1] += (tuple(a.model.embed_tokens.weight.shape),)
+    return out
+
+
+def test_shard_in_memory_equals_checkpoint_read(tiny_dirs, run_ranks):
+    """shard_model (ms-recompute's TP training path) and build_tp_model (ms-vllm's) cut the same
+    slices; without vocabulary parallelism the embedding stays whole."""
+    results = run_ranks(_in_memory_rank, nprocs=2, timeout=300, args=(tiny_dirs["deepseek_v3"],))
+    for rank, per_plan in enumerate(results):
+        (same_names, equal, embed), (same_names2, equal2, embed2) = per_plan
+        assert same_names and same_names2, f"rank {rank}: parameter names differ"
+        assert all(equal.values()) and all(equal2.values()), f"rank {rank}: {[n for n, ok in equal.items() if not ok]}"
+        assert embed == (160, 64) and embed2 == (320, 64), (embed, embed2)
+
+
+def test_plan_errors_name_the_value():
+    from ms_models import tiny_config
+    from ms_models.parallel import ParallelError, ShardPlan, local_config
+
+    with pytest.raises(ParallelError, match="num_key_value_heads=2"):
+        local_config(tiny_config("llama"), ShardPlan(4, 0))
+    with pytest.raises(ParallelError, match="rank=3"):
+        ShardPlan(2, 3)

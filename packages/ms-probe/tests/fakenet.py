@@ -77,3 +77,35 @@ def dump_fake(path, net: MLPNet, task="statistics", step=0, rank=0, prefix="Cell
     x = np.random.default_rng(1).normal(size=(4, 8)).astype(np.float32) if x is None else x
     net.run(rec, x)
     return rec.stop()
+
+
+class GatedMLP:
+    """A SwiGLU MLP whose linear_fc1 holds gate and up either stacked ([gate; up], Megatron) or with
+    their rows interleaved ([g0, u0, g1, u1, ...], MindSpore Transformers' default): the same layer."""
+
+    def __init__(self, interleaved: bool, prefix: str, seed: int = 0, hidden: int = 8, width: int = 6):
+        rng = np.random.default_rng(seed)
+        self.gate, self.up = (rng.normal(0, 0.3, (width, hidden)).astype(np.float32) for _ in range(2))
+        self.down = rng.normal(0, 0.3, (hidden, width)).astype(np.float32)
+        stacked = np.concatenate([self.gate, self.up])
+        self.w1 = np.stack([self.gate, self.up], 1).reshape(2 * width, hidden) if interleaved else stacked
+        self.interleaved, self.prefix, self.width = interleaved, prefix, width
+
+    def run(self, rec: Recorder, x: np.ndarray) -> np.ndarray:
+        p, w = self.prefix, self.width
+        rec.forward_pre(f"{p}.linear_fc1", "Linear", (x,), {})
+        h = x @ self.w1.T
+        rec.forward_post(f"{p}.linear_fc1", h, [("weight", self.w1)])
+        g, u = (h[:, 0::2], h[:, 1::2]) if self.interleaved else (h[:, :w], h[:, w:])
+        act = g / (1 + np.exp(-g)) * u
+        rec.forward_pre(f"{p}.linear_fc2", "Linear", (act,), {})
+        out = act @ self.down.T
+        rec.forward_post(f"{p}.linear_fc2", out, [("weight", self.down)])
+        # backward of sum(out): the gradient into linear_fc1's output, in this layer's own layout
+        d_act = np.ones_like(out) @ self.down
+        sig = 1 / (1 + np.exp(-g))
+        dg, du = d_act * u * sig * (1 + g * (1 - sig)), d_act * g * sig
+        dh = np.stack([dg, du], -1).reshape(h.shape) if self.interleaved else np.concatenate([dg, du], -1)
+        rec.backward(f"{p}.linear_fc1", "Linear", (dh @ self.w1,), (dh,), None)
+        rec.param_grad(f"{p}.linear_fc1", "Linear", "weight", dh.T @ x, 1)
+        return out

@@ -124,7 +124,16 @@ class RankCompare:
 
 # ---------------------------------------------------------------------- one rank
 def _compare_pair(
-    mode: str, td: RankDump, gd: RankDump, ti: DumpItem, gi: DumpItem, te, ge, th: Thresholds, seen: dict
+    mode: str,
+    td: RankDump,
+    gd: RankDump,
+    ti: DumpItem,
+    gi: DumpItem,
+    te,
+    ge,
+    th: Thresholds,
+    seen: dict,
+    mapping: NameMapping,
 ) -> Row:
     row = Row(
         ti.name if ti else gi.name,
@@ -158,6 +167,8 @@ def _compare_pair(
             if what:
                 seen[side].setdefault(item.name, {})[entry.key] = what
         if a is not None and b is not None and a.size == b.size:
+            a = mapping.in_compare_layout("target", ti.parsed.path, ti.parsed.direction, te.role, a)
+            b = mapping.in_compare_layout("golden", gi.parsed.path, gi.parsed.direction, ge.role, b)
             metrics = tensor_metrics(a.reshape(-1), b.reshape(-1))
         else:
             row_mode = "statistics"
@@ -218,7 +229,7 @@ def compare_rank(
         mr.golden = gi.name
         group = []
         for te, ge, how in pair_entries(ti, gi, mapping, gi.parsed.path):
-            row = _compare_pair(mode, target, golden, ti, gi, te, ge, th, seen)
+            row = _compare_pair(mode, target, golden, ti, gi, te, ge, th, seen, mapping)
             row.matched_by = how
             group.append(row)
         rows.extend(group)

@@ -15,6 +15,9 @@ A mapping file:
     data:                             # data-key renames inside matching modules
       - {path: "{p*}.self_attn", target: "input.0", golden: "input.hidden_states"}
     api: {Functional.matmul: Torch.matmul}
+    layouts:                          # data-layout rules applied before compare (data_layouts.py)
+      - {path: "{p*}.mlp.linear_fc1", side: target, rule: deinterleave, parts: 2,
+         axes: {forward.output: -1, backward.input: -1, parameter: 0, param_grad: 0}}
 
 `{x}` matches one path segment, `{x*}` any dotted rest (possibly empty); templates work in both
 directions, so `mapping.reversed()` maps golden to target. Class names are not part of a path:
@@ -34,6 +37,7 @@ import yaml
 from ms_layout.files import FileError, read_capped
 from ms_layout.limits import Limit
 
+from .data_layouts import LayoutRule, layout_rule_from_dict
 from .errors import ProbeError
 
 MAX_MAPPING_BYTES = Limit("MS_PROBE_MAX_MAPPING_BYTES", 16 << 20, "bytes")
@@ -103,6 +107,7 @@ class NameMapping:
     api: dict[str, str] = field(default_factory=dict)
     strip_target: list[str] = field(default_factory=list)
     strip_golden: list[str] = field(default_factory=list)
+    layouts: list[LayoutRule] = field(default_factory=list)
     source: str = ""
 
     # ------------------------------------------------------------------ use
@@ -141,6 +146,17 @@ class NameMapping:
                 return d.golden
         return key
 
+    def in_compare_layout(self, side: str, path: str, direction: str, role: str, array):
+        """`array` (a tensor of the module at `path` on `side`) in the layout the compare uses: the
+        first layout rule for this module and role rearranges it, otherwise it is returned as is."""
+        path = self._strip(path, self.strip_target if side == "target" else self.strip_golden)
+        for rule in self.layouts:
+            if rule.side == side and rule.path.match(path) is not None:
+                axis = rule.axis(direction, role)
+                if axis is not None:
+                    return rule.apply(array, axis)
+        return array
+
     def map_api(self, name: str) -> str:
         """`Functional.matmul` -> `Torch.matmul` (API names without the call index)."""
         return self.api.get(name, name)
@@ -156,6 +172,10 @@ class NameMapping:
             api={v: k for k, v in self.api.items()},
             strip_target=list(self.strip_golden),
             strip_golden=list(self.strip_target),
+            layouts=[
+                LayoutRule(r.path, "golden" if r.side == "target" else "target", r.rule, r.parts, dict(r.axes))
+                for r in self.layouts
+            ],
             source=self.source,
         )
 
@@ -168,6 +188,7 @@ class NameMapping:
             "skip": [{"side": s.side, "path": s.path.text, "reason": s.reason} for s in self.skips],
             "data": [{"path": d.path.text, "target": d.target, "golden": d.golden} for d in self.data],
             "api": dict(self.api),
+            "layouts": [r.to_dict() for r in self.layouts],
         }
 
 
@@ -251,6 +272,8 @@ def mapping_from_dict(raw: Any, source: str = "<dict>") -> NameMapping:
     if not isinstance(api, dict):
         raise ProbeError(f"mapping {source}: api must map target API names to golden ones")
     m.api = {str(k): str(v) for k, v in api.items()}
+    for i, r in enumerate(_list(raw, "layouts", f"mapping {source}")):
+        m.layouts.append(layout_rule_from_dict(r, f"mapping {source}: layouts[{i}]", _template))
     return m
 
 

@@ -17,72 +17,14 @@ minimum over repeats, taken in rotation so load hits every column alike.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 from _common import machine_info, write_result
-
-DISTRIBUTIONS = {  # name: (median response tokens, sigma, cap)
-    "reasoning": (1500, 0.9, 8192),
-    "chat": (300, 0.7, 2048),
-    "uniform": (None, None, 2048),
-}
-
-
-def lengths(rng, n, median, sigma, cap, prompt=(64, 512)):
-    """prompt + response lengths: log-normal responses clipped at `cap` (uniform when median is None)."""
-    if median is None:
-        resp = rng.integers(1, cap + 1, n)
-    else:
-        resp = np.clip(rng.lognormal(np.log(median), sigma, n).astype(int), 1, cap)
-    return (rng.integers(prompt[0], prompt[1] + 1, n) + resp).astype(int)
-
-
-# ------------------------------------------------------------------------------------ A. packing
-def bench_packing(quick):
-    from ms_rlhf import next_fit, padding_ratio, plan_packs
-
-    rng = np.random.default_rng(0)
-    rows = []
-    for name, (median, sigma, cap) in DISTRIBUTIONS.items():
-        n = 256 if quick else 512
-        lens = lengths(rng, n, median, sigma, cap)
-        max_len = 2 * (cap + 512)  # verl/MindSpeed-RL advice: token budget >= 2x (prompt + response)
-        start = time.perf_counter()
-        plan = plan_packs(lens, max_len, 64)
-        pack_ms = (time.perf_counter() - start) * 1e3
-        nf = next_fit(lens, max_len, 64)
-        rows.append(
-            {
-                "section": "packing",
-                "case": f"{name}: {n} samples, pack {max_len} tok",
-                "metric": "packs",
-                "ours": plan.num_packs,
-                "baseline": len(nf),
-                "vs": "next-fit (mindrlhf)",
-                "ratio": plan.num_packs / len(nf),
-                "lower_bound": plan.lower_bound,
-                "note": f"ceil(tokens/len)={plan.token_bound}, {pack_ms:.0f} ms",
-            }
-        )
-        # padding: fixed-shape packs vs padded micro-batches of 8 samples (to their longest / to the cap)
-        padded = [list(range(i, min(i + 8, n))) for i in range(0, n, 8)]
-        batch_pad = 1 - lens.sum() / sum(8 * max(lens[b]) for b in padded)
-        rows.append(
-            {
-                "section": "packing",
-                "case": f"{name}: padding share",
-                "metric": "pad share",
-                "ours": 1 - plan.fill(),
-                "baseline": batch_pad,
-                "vs": "batches of 8 padded to longest",
-                "ratio": (1 - plan.fill()) / batch_pad,
-                "note": f"padded to cap+prompt: {padding_ratio(lens, [[i] for i in range(n)], cap + 512):.2f}",
-            }
-        )
-    return rows
+from _rlhf_packing import bench_packing
 
 
 # ------------------------------------------------------------------------------------ B. step time
@@ -347,6 +289,21 @@ def bench_sync(quick):
     return rows
 
 
+def summary(rows) -> dict:
+    """Headline ratios (ours / baseline) by section: the first row of each (section, vs) pair."""
+    out: dict = {}
+    for row in rows:
+        case = row["case"].split(":")[0].split(" ")[0] if row["section"] == "packing" else row["section"]
+        key = re.sub(r"[^A-Za-z0-9]+", "_", f"{row['section']} {case} {row['metric']} vs {row['vs']}").strip("_")
+        out.setdefault(key, row["ratio"])
+        if "max_over_bound" in row:
+            out.setdefault("packing_count_cap_max_over_bound", row["max_over_bound"])
+            out[re.sub(r"[^A-Za-z0-9]+", "_", f"packing count cap max over bound {row['vs']}")] = row[
+                "baseline_max_over_bound"
+            ]
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
@@ -372,6 +329,7 @@ def main(argv=None):
                 row[k] = int(v)
     result = {
         "benchmark": "rlhf",
+        "summary": summary(rows),
         "title": "ms-rlhf: packing vs next-fit and padding, packed vs padded GRPO step, uniform vs contiguous "
         "rollout makespan, ms-reshard vs gather-everything weight sync (ratio = ours / baseline)",
         "machine": machine_info("mindspore", "torch"),

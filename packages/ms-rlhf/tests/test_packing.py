@@ -137,3 +137,55 @@ def test_exhaustive_reference_agrees_with_brute_force():
         if all(sum(lengths[i] for i in range(6) if a[i] == b) <= cap for b in set(a))
     )
     assert optimum(lengths, cap, 6) == brute == 3
+
+
+@settings(max_examples=200, deadline=None)
+@given(cases)
+def test_lower_bound_never_exceeds_the_optimum(case):
+    """The cardinality bound (count_bound) included: a bound above the optimum would stop the search early."""
+    cap, lengths, count = case
+    assert lower_bound(lengths, cap, count) <= optimum(tuple(lengths), cap, count or len(lengths))
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases)
+def test_without_the_search_at_most_one_pack_above_the_optimum(case):
+    cap, lengths, count = case
+    plan = plan_packs(lengths, cap, count, node_limit=0)
+    check_plan(lengths, cap, count, plan.packs)
+    assert plan.num_packs <= optimum(tuple(lengths), cap, count or len(lengths)) + 1
+
+
+count_binding = st.tuples(
+    st.integers(0, 2**32 - 1),  # seed
+    st.integers(40, 1200),  # samples
+    st.sampled_from([2, 3, 4, 5, 6, 8, 12, 16]),  # max_pack_count
+    st.sampled_from([1024, 2048, 4096, 8192]),  # max_pack_len
+    st.floats(4.0, 7.5),  # log-mean length
+    st.floats(0.3, 1.3),  # log-sd
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(count_binding)
+def test_within_three_percent_of_the_bound_when_the_count_cap_binds(case):
+    """Lognormal lengths (RL responses) with small count caps, where ceil(n / count) is at least the
+    token bound: the packer stays within 3 % of the lower bound (next-fit and first-fit did not)."""
+    seed, n, count, cap, mu, sigma = case
+    lengths = np.minimum(np.random.default_rng(seed).lognormal(mu, sigma, n).astype(int) + 1, cap)
+    if -(-n // count) < token_bound(lengths, cap):
+        return  # the token cap binds: covered by the tests above
+    plan = plan_packs(lengths, cap, count, node_limit=0)
+    check_plan(lengths.tolist(), cap, count, plan.packs)
+    assert plan.num_packs <= max(plan.lower_bound * 1.03, plan.lower_bound + 1), str(plan)
+
+
+def test_count_cap_cases_of_the_issue():
+    """Lognormal batches where first/best-fit decreasing gave 68 packs for a bound of 62 and 47
+    for 40: a fixed pack count reaches the bound."""
+    rng = np.random.default_rng(0)
+    for n, count, mu, sigma in ((496, 8, 5.5, 0.8), (320, 8, 5.5, 1.0)):
+        lengths = np.minimum(rng.lognormal(mu, sigma, n).astype(int) + 1, 4096)
+        plan = plan_packs(lengths, 4096, count)
+        assert plan.num_packs == plan.lower_bound == -(-n // count) and plan.method == "fixed", str(plan)
+        assert len(next_fit(lengths, 4096, count)) > plan.num_packs

@@ -2,9 +2,12 @@
 `max_pack_count` samples, never truncating one, in as few packs as we can find.
 
 This is bin packing with a cardinality constraint. :func:`pack` runs first-fit-decreasing and
-best-fit-decreasing, keeps the better, and -- unless it already meets the lower bound -- improves
-it with a depth-first branch and bound (node-limited; exact for the small batches of an RL step).
-The bound is the larger of Martello and Toth's L2 bound and ceil(n / max_pack_count); the issue's
+best-fit-decreasing, keeps the better, then -- unless it already meets the lower bound -- places
+the samples into a fixed number of packs from the bound upwards (fixed_bins.py: what works when the
+count cap binds), and improves what it has with a depth-first branch and bound (node-limited; exact
+for the small batches of an RL step).
+The bound is the largest of Martello and Toth's L2 bound, ceil(n / max_pack_count) and a
+cardinality bound (samples over half a pack each open one, which has count - 1 slots left);
 ceil(total tokens / max_pack_len) is reported too. A sample longer than `max_pack_len` is an
 error naming it: mindrlhf's next-fit packer silently truncated such samples (its
 ``pad_sequence_to_length`` slices; docs/rlhf-reshard-prior-art.md §2).
@@ -23,32 +26,14 @@ from typing import Any
 import numpy as np
 
 from .errors import PackingError
+from .fixed_bins import fit_into
 from .limits import MAX_PACK_SAMPLES
+from .pack_bounds import _check, lower_bound, token_bound
 
 NODE_LIMIT = 50_000
 """Branch-and-bound nodes per call: a few tens of ms in Python, enough to settle most RL batches."""
 EXACT_MAX_ITEMS = 400
 """Above this many samples only the greedy packers run (the search would be too deep to help)."""
-
-
-def _check(lengths: Sequence[int], max_pack_len: int, max_pack_count: int | None) -> tuple[np.ndarray, int]:
-    if isinstance(max_pack_len, bool) or not isinstance(max_pack_len, (int, np.integer)) or max_pack_len < 1:
-        raise PackingError(f"max_pack_len={max_pack_len!r} must be a positive int")
-    count = len(lengths) if max_pack_count is None else max_pack_count
-    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
-        raise PackingError(f"max_pack_count={max_pack_count!r} must be a positive int (or None: no limit)")
-    arr = np.asarray(lengths)
-    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-        raise PackingError(f"lengths must be a 1-d sequence of ints, got {np.asarray(lengths).dtype} {arr.shape}")
-    arr = arr.astype(np.int64)
-    for i in np.flatnonzero(arr < 1):
-        raise PackingError(f"sample {int(i)} has length {int(arr[i])}; lengths must be >= 1")
-    for i in np.flatnonzero(arr > max_pack_len):
-        raise PackingError(
-            f"sample {int(i)} has {int(arr[i])} tokens, more than max_pack_len={max_pack_len}; "
-            f"samples are never truncated: raise max_pack_len or drop the sample"
-        )
-    return arr, max(int(count), 1)
 
 
 def fields_of(data: Any, kind: str, required: Sequence[str], error: type[Exception] = PackingError) -> dict:
@@ -72,30 +57,6 @@ def int_list(value: Any, what: str, error: type[Exception] = PackingError) -> tu
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
             raise error(f"{what}: {v!r:.40} is not an int")
     return tuple(int(v) for v in value)
-
-
-# ---------------------------------------------------------------------------------------- bounds
-def token_bound(lengths: Sequence[int], max_pack_len: int) -> int:
-    """ceil(total tokens / max_pack_len): the bound the issue names."""
-    return -(-int(np.sum(lengths)) // max_pack_len) if len(lengths) else 0
-
-
-def lower_bound(lengths: Sequence[int], max_pack_len: int, max_pack_count: int | None = None) -> int:
-    """A lower bound on the number of packs: max(Martello-Toth L2, ceil(n / max_pack_count))."""
-    arr, count = _check(lengths, max_pack_len, max_pack_count)
-    if arr.size == 0:
-        return 0
-    cap = max_pack_len
-    best = max(token_bound(arr, cap), -(-arr.size // count))
-    # L2: for alpha <= cap/2, items > cap - alpha each need a bin; items in (cap/2, cap - alpha]
-    # too, and the items in [alpha, cap/2] must fit in those bins' free room or in new bins.
-    for alpha in np.unique(np.concatenate([[0], arr[arr <= cap // 2]])):
-        j1 = arr[arr > cap - alpha]
-        j2 = arr[(arr > cap / 2) & (arr <= cap - alpha)]
-        j3 = arr[(arr >= alpha) & (arr <= cap / 2)]
-        spill = int(j3.sum()) - (j2.size * cap - int(j2.sum()))
-        best = max(best, j1.size + j2.size + max(0, -(-spill // cap)))
-    return int(best)
 
 
 # ---------------------------------------------------------------------------------------- packers
@@ -197,11 +158,11 @@ class PackPlan:
     max_pack_count: int
     """Most samples a pack may hold."""
     lower_bound: int
-    """max(Martello-Toth L2, ceil(n / max_pack_count)): no packing can use fewer packs."""
+    """max(Martello-Toth L2, ceil(n / max_pack_count), count_bound): no packing can use fewer packs."""
     optimal: bool
     """True when the pack count is proven minimal (it meets the bound or the search finished)."""
     method: str = ""
-    """Which packer produced it ("ffd", "bfd", "search")."""
+    """Which packer produced it ("ffd", "bfd", "fixed": a fixed pack count, "search")."""
     search_nodes: int = field(default=0, compare=False)
     """Branch-and-bound nodes visited."""
 
@@ -306,6 +267,11 @@ def plan_packs(
     candidates = {"ffd": _greedy(arr, max_pack_len, count, False), "bfd": _greedy(arr, max_pack_len, count, True)}
     method = min(candidates, key=lambda m: (len(candidates[m]), m))
     best = candidates[method]
+    for m in range(bound, len(best)):  # the greedy packers waste slots when the count cap binds
+        fixed = fit_into(arr, max_pack_len, count, m)
+        if fixed is not None:
+            best, method = fixed, "fixed"
+            break
     optimal, nodes = len(best) <= bound, 0
     if not optimal and arr.size <= EXACT_MAX_ITEMS and node_limit > 0:
         search = _Search(arr, max_pack_len, count, best, bound, node_limit)

@@ -27,6 +27,7 @@ import numpy as np
 from .batch import RequestState, StepBatch, build_batch, build_draft_batch, select_requests, slots_for
 from .buckets import BucketConfig, plan_step
 from .sampler import SamplingRow, logprobs_of, sample_row
+from .structured import apply_grammar_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ class MindSporeModelRunner:
         self.kv_caches: list | None = None
         self.shared_rng = np.random.default_rng(vllm_config.model_config.seed or 0)
         self.pending_drafts = None
+        self.pending_step = None
+        """(batch, logits, hidden, start time) of a step whose sampling waits for a grammar bitmask."""
         self.compiled = None
         """CompiledSteps once compile() ran; None: every step runs eagerly (PyNative)."""
         self.stats = {
@@ -250,11 +253,16 @@ class MindSporeModelRunner:
     def _row(self, st: RequestState) -> SamplingRow:
         return SamplingRow(st.sampling_params, st.generator, st.prompt_token_ids, st.output_token_ids)
 
-    def sample(self, batch: StepBatch, logits: np.ndarray) -> tuple[list[list[int]], list[np.ndarray]]:
-        """Tokens per request (drafts verified) and the logits row of each emitted token."""
+    def sample(
+        self, batch: StepBatch, logits: np.ndarray, limits: dict[str, int] | None = None
+    ) -> tuple[list[list[int]], list[np.ndarray]]:
+        """Tokens per request (drafts verified) and the logits row of each emitted token; `limits`
+        caps how many leading drafts a request may accept (the grammar constrained only those)."""
         out, used, cursor = [], [], 0
         for req_id, rows, spec in zip(batch.req_ids, batch.sample_rows, batch.spec_tokens):
             st = self.requests[req_id]
+            if limits is not None and req_id in limits:
+                spec = spec[: limits[req_id]]
             emitted, kept_rows = [], []
             for j in range(len(rows)):
                 row = logits[cursor + j]
@@ -275,7 +283,9 @@ class MindSporeModelRunner:
 
     # ------------------------------------------------------------------ the step
     def execute(self, so):
-        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+        """One engine step. With structured-output requests in it, the logits wait for the grammar
+        bitmask the scheduler computes meanwhile: returns None, and vLLM calls `sample_tokens`."""
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
         t = time.perf_counter()
         self.update_states(so)
@@ -284,8 +294,24 @@ class MindSporeModelRunner:
         self.stats["steps"] += 1
         batch = build_batch(self.requests, so.num_scheduled_tokens, so.scheduled_spec_decode_tokens, self.block_size)
         logits, hidden = self.run_model(batch, need_hidden=self.drafter is not None)
-        sampled, rows = self.sample(batch, logits)
-        if self.multi_step > 1 and self._pure_decode(batch):
+        self.pending_step = (batch, logits, hidden, t)
+        if getattr(so, "has_structured_output_requests", False):
+            return None
+        return self.sample_tokens(None)
+
+    def sample_tokens(self, grammar_output):
+        """Sample the pending step's logits, the grammar bitmask applied to its structured-output rows."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        if self.pending_step is None:
+            raise RuntimeError("sample_tokens without a pending execute_model step")
+        (batch, logits, hidden, t), self.pending_step = self.pending_step, None
+        limits = None
+        if grammar_output is not None:
+            logits = np.array(logits, np.float32)
+            limits = apply_grammar_bitmask(logits, batch, grammar_output)
+        sampled, rows = self.sample(batch, logits, limits)
+        if self.multi_step > 1 and self._pure_decode(batch) and grammar_output is None:
             self._more_decode_steps(batch, sampled, rows)
         if self.drafter is not None:
             draft = build_draft_batch(batch, self.requests, sampled)

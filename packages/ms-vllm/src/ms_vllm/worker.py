@@ -175,7 +175,8 @@ class MindSporeWorker(WorkerBase):
         return self.runner.execute(scheduler_output)
 
     def sample_tokens(self, grammar_output):
-        raise RuntimeError("ms-vllm samples inside execute_model; structured outputs are not supported")
+        """The step's tokens once vLLM's grammar bitmask is ready (structured outputs, structured.py)."""
+        return self.runner.sample_tokens(grammar_output)
 
     def take_draft_token_ids(self):
         from vllm.v1.outputs import DraftTokenIds

@@ -34,6 +34,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -42,6 +43,7 @@ import numpy as np
 from _common import machine_info, write_result
 from _vllm_offline import offline, rows_of
 from _vllm_serve import serve, serve_rows
+from _vllm_trained import trained_rows
 
 
 def best_of(fn, repeats):
@@ -124,8 +126,9 @@ def timing_row(case, ours, base, base_label=""):
     )
 
 
-def quant_rows(path, root):
-    """Logits error, perplexity and weight bytes of W8A8 and W4A16 against the float model."""
+def quant_rows(path, root, held_out=None, label=""):
+    """Logits error, perplexity and weight bytes of W8A8 and W4A16 against the float model, over
+    `held_out` token sequences (default: one sentence of the tokenizer's corpus)."""
     import mindspore as ms
     from tokenizers import Tokenizer
 
@@ -135,21 +138,21 @@ def quant_rows(path, root):
 
     tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
     calib = [tok.encode(t).ids for t in DEFAULT_PROMPTS]
-    held_out = tok.encode("Grouped-query attention shares one key and value head among several query heads.").ids
+    if held_out is None:
+        held_out = [tok.encode("Grouped-query attention shares one key and value head among several query heads.").ids]
+    name = f"quant ({label})" if label else "quant"
 
     def evaluate(model):
-        logits = model(ms.Tensor(np.asarray([held_out], np.int32))).asnumpy()[0].astype(np.float64)
-        logp = (
-            logits
-            - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
-            - logits.max(-1, keepdims=True)
-        )
-        nll = -logp[np.arange(len(held_out) - 1), held_out[1:]].mean()
+        logits = model(ms.Tensor(np.asarray(held_out, np.int32))).asnumpy().astype(np.float64)
+        top = logits.max(-1, keepdims=True)
+        logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+        targets = np.asarray(held_out)[:, 1:]
+        nll = -np.take_along_axis(logp[:, :-1], targets[..., None], -1).mean()
         return logits, float(np.exp(nll))
 
     base = ms_models.from_pretrained(path)
     ref, ppl = evaluate(base)
-    rows = [dict(case="quant: float32", ours=f"ppl {ppl:.2f}, {weight_bytes(base)} B", baseline="-", ratio=1.0)]
+    rows = [dict(case=f"{name}: float32", ours=f"ppl {ppl:.2f}, {weight_bytes(base)} B", baseline="-", ratio=1.0)]
     for method in ("ms_w8a8", "ms_w4a16"):
         dst = os.path.join(root, method)
         quantize_checkpoint(path, dst, method, calib, group_size=32)
@@ -158,7 +161,7 @@ def quant_rows(path, root):
         err = float(np.abs(logits - ref).max() / np.abs(ref).max())
         rows.append(
             dict(
-                case=f"quant: {method}",
+                case=f"{name}: {method}",
                 ours=f"ppl {qppl:.2f} ({(qppl / ppl - 1) * 100:+.1f}%), logits err {err:.3f}, {weight_bytes(model)} B",
                 baseline=f"ppl {ppl:.2f}, {weight_bytes(base)} B",
                 ratio=round(weight_bytes(base) / weight_bytes(model), 3),
@@ -284,7 +287,24 @@ def main() -> None:
     # 5. quantization (no engine: logits and perplexity of the MindSpore models themselves)
     rows += quant_rows(small, root)
 
-    write(args, rows, {}, None)
+    # 6. a trained tiny DeepSeek-V3: MTP acceptance and speed, quantized perplexity (_vllm_trained.py)
+    helpers = SimpleNamespace(
+        vllm_engine=vllm_engine,
+        vllm_run=vllm_run,
+        best_of=best_of,
+        timing_row=timing_row,
+        quant_rows=quant_rows,
+        close=close,
+    )
+    trained, summary = trained_rows(root, args.quick, helpers)
+    rows += trained
+    named = {"prefix caching": "prefix_caching_speedup", "multi-step 4": "multi_step_4_over_1_speedup"}
+    named.update({"MTP k=1 vs none, compiled": "random_mtp_over_none_speedup_compiled"})
+    for r in rows:
+        for start, key in named.items():
+            if r["case"].startswith(start):
+                summary[key] = r["ratio"]
+    write(args, rows, {}, None, summary)
 
 
 def write_serve(args, result) -> None:
@@ -304,7 +324,7 @@ def write_serve(args, result) -> None:
     print(json.dumps(report["summary"], indent=2))
 
 
-def write(args, rows, offline_results, headline) -> None:
+def write(args, rows, offline_results, headline, summary=None) -> None:
     title = "ms-vllm (vLLM 0.33 + MindSpore CPU) vs HF transformers generate; serving-feature speedups"
     if headline:
         title = f"ms-vllm compiled, offline 64 mixed-length requests ({headline} llama) vs HF generate and eager"
@@ -314,6 +334,8 @@ def write(args, rows, offline_results, headline) -> None:
         machine=machine_info("mindspore", "torch", "vllm", "transformers", quick=args.quick),
         rows=rows,
     )
+    if summary is not None:
+        result["summary"] = summary
     if headline:
         off = offline_results[headline]
         result["script"] = "bench_vllm.py"

@@ -108,3 +108,24 @@ def test_vllm_serves_w8a8_checkpoint(tiny_dirs, tmp_path):
     finally:
         close_llm(llm)
     assert list(out[0].outputs[0].token_ids) == expect
+
+
+def test_deepseek_with_mtp_quantizes_and_loads(tiny_dirs, tmp_path):
+    """DeepSeek-V3's MTP module is stored as layer L + k: its layers quantize under those names."""
+    import mindspore as ms
+
+    import ms_models
+    from ms_vllm.quant import load_quantized, quantize_checkpoint
+
+    ids = ms.Tensor(np.asarray([[0, 17, 23, 99, 5, 61]], np.int32))
+    want = ms_models.from_pretrained(tiny_dirs["deepseek_v3"])(ids).asnumpy()
+    for method in ("ms_w8a8", "ms_w4a16"):
+        dst = str(tmp_path / method)
+        summary = quantize_checkpoint(tiny_dirs["deepseek_v3"], dst, method, [[0, 5, 9, 33, 77]], group_size=32)
+        model = load_quantized(dst, method)
+        assert any(n.startswith("model.mtp_layers.") for n, c in model.cells_and_names() if "W" in type(c).__name__)
+        got = model(ids).asnumpy()
+        assert summary["quantized_bytes"] < summary["float_bytes"]
+        cosine = float((got * want).sum() / np.linalg.norm(got) / np.linalg.norm(want))
+        # the random tiny model amplifies 4-bit error (its trained twin: +1.8 % perplexity, bench_vllm)
+        assert cosine > (0.95 if method == "ms_w8a8" else 0.7), (method, cosine)

@@ -1,4 +1,4 @@
-"""Console script `ms-models`: make-tiny, info."""
+"""Console script `ms-models`: make-tiny, train-tiny, info."""
 
 from __future__ import annotations
 
@@ -16,6 +16,15 @@ def _make_tiny(args: argparse.Namespace) -> dict:
 
     path = make_tiny(args.arch, args.path, seed=args.seed)
     return {"arch": args.arch, "path": path, "seed": args.seed}
+
+
+def _train_tiny(args: argparse.Namespace) -> dict:
+    from .train_tiny import train_tiny
+
+    report = train_tiny(args.arch, args.path, steps=args.steps, seed=args.seed)
+    report["path"] = args.path
+    report.pop("losses")
+    return report
 
 
 def _info(args: argparse.Namespace) -> dict:
@@ -41,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--json", action="store_true", help="print the result as JSON")
     tiny.set_defaults(func=_make_tiny)
+    train = sub.add_parser("train-tiny", help="train a tiny model on a synthetic corpus and write it (minutes)")
+    train.add_argument("arch", choices=["llama", "qwen2", "deepseek_v3"])
+    train.add_argument("path")
+    train.add_argument("--steps", type=int, default=600)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--json", action="store_true", help="print the result as JSON")
+    train.set_defaults(func=_train_tiny)
     info = sub.add_parser("info", help="describe an HF checkpoint directory")
     info.add_argument("path")
     info.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -118,6 +118,14 @@ def quantizable(model) -> dict[str, nn.Cell]:
     return out
 
 
+def hub_name(model, name: str) -> str:
+    """The checkpoint name of a layer: DeepSeek-V3's MTP module k is stored as layer L + k."""
+    if name.startswith("model.mtp_layers."):
+        k, _, rest = name[len("model.mtp_layers.") :].partition(".")
+        return f"model.layers.{model.config.num_hidden_layers + int(k)}.{rest}"
+    return name
+
+
 def calibrate(model, prompts: list[list[int]]) -> dict[str, float]:
     """Input absolute maximum of every quantizable layer over the calibration prompts."""
     stats: dict[str, float] = {}
@@ -153,13 +161,14 @@ def quantize_checkpoint(src: str, dst: str, method: str, prompts: list[list[int]
     tensors = ms_models.hf_state_dict(model)
     amax = calibrate(model, prompts) if method == "ms_w8a8" else {}
     float_bytes = quant_bytes = 0
-    for name in quantizable(model):
+    for cell_name in quantizable(model):
+        name = hub_name(model, cell_name)
         w = tensors.pop(f"{name}.weight")
         float_bytes += w.nbytes
         if method == "ms_w8a8":
             q, s = quantize_w8(w)
             tensors.update({f"{name}.weight": q, f"{name}.weight_scale": s})
-            tensors[f"{name}.input_scale"] = np.array([max(amax.get(name, 1.0), 1e-8) / 127.0], np.float32)
+            tensors[f"{name}.input_scale"] = np.array([max(amax.get(cell_name, 1.0), 1e-8) / 127.0], np.float32)
             quant_bytes += q.nbytes + s.nbytes + 4
         else:
             q, s = quantize_w4(w, group_size)
@@ -202,7 +211,8 @@ def load_quantized(path: str, method: str):
             raw.update(load_file(os.path.join(path, f)))
     cells = dict(model.cells_and_names())
     replaced = {}
-    for name in quantizable(model):
+    for cell_name in quantizable(model):
+        name = hub_name(model, cell_name)
         bias = raw.pop(f"{name}.bias", None)
         needed = ("weight", "weight_scale", "input_scale") if method == "ms_w8a8" else ("weight_packed", "weight_scale")
         missing = [f"{name}.{k}" for k in needed if f"{name}.{k}" not in raw]
@@ -214,7 +224,7 @@ def load_quantized(path: str, method: str):
         else:
             raw.pop(f"{name}.weight_shape", None)
             layer = W4A16Linear(raw.pop(f"{name}.weight_packed"), raw.pop(f"{name}.weight_scale"), group, bias)
-        parent, _, leaf = name.rpartition(".")
+        parent, _, leaf = cell_name.rpartition(".")
         replaced[(parent, leaf)] = layer
     for (parent, leaf), layer in replaced.items():
         setattr(cells[parent], leaf, layer)

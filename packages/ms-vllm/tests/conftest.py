@@ -73,3 +73,12 @@ def close_llm(llm) -> None:
 
 def token_prompts(prompts):
     return [{"prompt_token_ids": list(p)} for p in prompts]
+
+
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["answer", "n"],
+    "additionalProperties": False,
+}
+"""A schema a random tiny model can only answer by the grammar (tests/test_structured.py, test_serve.py)."""

@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+from conftest import JSON_SCHEMA as SCHEMA
 
 pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch]
 
@@ -128,14 +129,6 @@ def test_malformed_requests_get_4xx_and_server_keeps_serving(server, reference):
     )
     assert ok.status_code == 200
     assert ok.json()["choices"][0]["token_ids"] == reference("llama", PROMPT, 3)
-
-
-SCHEMA = {
-    "type": "object",
-    "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
-    "required": ["answer", "n"],
-    "additionalProperties": False,
-}
 
 
 def test_json_schema_request_returns_valid_json(server):

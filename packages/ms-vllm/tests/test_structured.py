@@ -7,6 +7,7 @@ import re
 
 import numpy as np
 import pytest
+from conftest import JSON_SCHEMA as SCHEMA
 from conftest import close_llm, make_llm
 
 pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch]
@@ -27,14 +28,6 @@ def test_bitmask_matches_xgrammar_on_the_same_logits():
     xgrammar.apply_token_bitmask_inplace(theirs, torch.from_numpy(bitmask))
     ours = np.where(allowed_tokens(bitmask, vocab), logits, -np.inf)
     np.testing.assert_array_equal(ours, theirs.numpy())
-
-
-SCHEMA = {
-    "type": "object",
-    "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
-    "required": ["answer", "n"],
-    "additionalProperties": False,
-}
 
 
 def test_choice_regex_and_json_schema_through_llm(tiny_dirs):

@@ -119,11 +119,10 @@ def quantizable(model) -> dict[str, nn.Cell]:
 
 
 def hub_name(model, name: str) -> str:
-    """The checkpoint name of a layer: DeepSeek-V3's MTP module k is stored as layer L + k."""
-    if name.startswith("model.mtp_layers."):
-        k, _, rest = name[len("model.mtp_layers.") :].partition(".")
-        return f"model.layers.{model.config.num_hidden_layers + int(k)}.{rest}"
-    return name
+    """The checkpoint name of a layer (DeepSeek-V3's MTP module k is stored as layer L + k)."""
+    from ms_models.io import checkpoint_names
+
+    return next(checkpoint_names(model.config.num_hidden_layers, name, ()))[0]
 
 
 def calibrate(model, prompts: list[list[int]]) -> dict[str, float]:

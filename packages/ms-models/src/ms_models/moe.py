@@ -77,6 +77,11 @@ class Experts(nn.Cell):
             ops.one_hot(indices, self.num_experts, Tensor(1.0, mstype.float32), Tensor(0.0, mstype.float32))
             * weights.expand_dims(-1)
         ).sum(1)  # [M, E]
+        return self.mix(x, combine)
+
+    def mix(self, x, combine):
+        """sum_e combine[:, e] * expert_e(x): every expert on every row of x [M, H], combine [M, E]
+        (zero where a row does not use the expert; a zero row of x gives zero)."""
         # (the stacks are still transposed per call: a [1, M, H] input does not broadcast over
         # CPU's BatchMatMul(transpose_b=True), and broadcasting it by hand would keep E copies)
         xe = x.expand_dims(0)  # [1, M, H]

@@ -3,11 +3,12 @@
 One implementation for every user: ms-vllm's TP/EP workers and ms-recompute's TP training layers.
 
 Plan
-    ShardPlan(tp, rank, expert_parallel=False, vocab_parallel=True): which slice of every weight a
+    ShardPlan(tp, rank, expert_parallel=False, vocab_parallel=True, dp=1, dp_rank=0): which slice of every weight a
     rank holds; `check(config_dict)` names a size that does not split. ParallelError (a ModelError).
 Layers
     RowParallelLinear, VocabParallelEmbedding, ParallelMoE (partial sums all-reduced, or returned in
-    `defer` mode: `defer_collectives(model)`), CopyToTP (Megatron's f), all_reduce.
+    `defer` mode: `defer_collectives(model)`), CopyToTP (Megatron's f), all_reduce; DispatchMoE
+    (DP attention + EP: tokens to their experts' ranks and back by all-to-all, dispatch.py).
 Sharding
     local_config(config, plan), shard_cells(model, full_config, plan, group),
     shard_tensors / read_shards (this rank's slices, lazily read), build_tp_model(path, plan, group),
@@ -23,6 +24,7 @@ _WHERE = {
     "ParallelError": "plan",
     "ShardPlan": "plan",
     "CopyToTP": "layers",
+    "DispatchMoE": "layers",
     "ParallelMoE": "layers",
     "RowParallelLinear": "layers",
     "VocabParallelEmbedding": "layers",
@@ -52,6 +54,7 @@ def __dir__():
 
 __all__ = [
     "CopyToTP",
+    "DispatchMoE",
     "ParallelError",
     "ParallelMoE",
     "RowParallelLinear",

@@ -6,6 +6,9 @@
                                       plus shared-expert partials, one all-reduce per layer
     VocabParallelEmbedding            rows outside the rank's vocabulary slice are zero; all-reduce
     CopyToTP                          Megatron's f (training): identity forward, all-reduce of the gradient
+    DispatchMoE                       DP attention + EP: router and shared experts whole on every rank;
+                                      the rank's tokens go to their experts' ranks and back by
+                                      all-to-all (dispatch.py), no all-reduce
 
 The collectives run on the host (numpy arrays through the group: gloo on CPU). In `defer` mode
 (`defer_collectives`) a cell returns its partial sum instead, so a caller that compiles the
@@ -134,6 +137,44 @@ class ParallelMoE(nn.Cell):
         return out if self.defer else all_reduce(out, self.group)
 
 
+class DispatchMoE(nn.Cell):
+    """DeepSeekMoE under DP attention and EP: every rank routes its own tokens with the full router,
+    runs its shared experts whole, and exchanges the routed part by all-to-all (dispatch.exchange).
+
+    Keeps MoE's attribute names (gate, experts, shared_experts): same parameter names. Every rank of
+    the group must run each layer once per step (a rank without tokens runs it on zero rows)."""
+
+    def __init__(self, moe, full_config, plan: ShardPlan, group):
+        super().__init__()
+        c = full_config
+        self.group = group
+        self.gate = type(moe.gate)(c)  # the local config's router knows only this rank's experts
+        self.experts, self.shared_experts = moe.experts, moe.shared_experts
+        self.per_rank = c.n_routed_experts // plan.ep
+        self.last_stats: dict = {}
+        """The last exchange's capacity and row counts (dispatch.exchange)."""
+
+    def routed(self, flat, weights, indices, experts=None):
+        """The routed-expert output [M, H] of flat [M, H] (host exchange); `experts(x, mix)` numpy ->
+        numpy, by default this cell's experts in PyNative."""
+        from .dispatch import exchange, route
+
+        if experts is None:
+            experts = lambda x, mix: self.experts.mix(Tensor(x), Tensor(mix)).asnumpy()  # noqa: E731
+        plan = route(indices.asnumpy(), weights.asnumpy(), self.group.size, self.per_rank)
+        out, self.last_stats = exchange(self.group, flat.asnumpy(), plan, experts)
+        return Tensor.from_numpy(out)
+
+    def construct(self, x):
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, indices = self.gate(flat)
+        out = self.routed(flat, weights, indices).reshape(shape)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
 def defer_collectives(model) -> None:
     """Switch every communicating cell of a sharded model to return its partial sum (the caller then
     runs the collectives); the model's own forward no longer communicates after this."""
@@ -144,6 +185,7 @@ def defer_collectives(model) -> None:
 
 __all__ = [
     "CopyToTP",
+    "DispatchMoE",
     "ParallelMoE",
     "RowParallelLinear",
     "VocabParallelEmbedding",

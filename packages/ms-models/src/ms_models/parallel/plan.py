@@ -7,11 +7,15 @@ The split follows Megatron-LM and vLLM:
 - norms, MLA's latent projections (q_a, kv_a) and the MoE router replicated, and so MLA's latent cache;
 - MoE layers: without `expert_parallel` every routed and shared expert is split like a dense MLP
   (TP inside each expert); with it the routed experts are split whole across the same tp ranks
-  (EP = tp), shared experts stay TP. Either way the partial outputs are summed over the group.
+  (EP = tp), shared experts stay TP. Either way the partial outputs are summed over the group;
+- DP attention (`dp` > 1, tp = 1, vLLM's `--data-parallel-size N --enable-expert-parallel`): every
+  rank holds attention, dense MLPs, shared experts and the vocabulary whole and serves its own
+  requests (its own latent cache); the routed experts split over the dp ranks (EP = dp), and each
+  MoE layer sends tokens to their experts' ranks and back by all-to-all (dispatch.py).
 
 The layouts come from ms-layout (`ms_models.model_layouts` over an `ms_layout.ParallelConfig`):
-tp=t for the dense weights and, under EP, dp=t, ep=t for the experts, two meshes over the same t
-ranks in which rank r has tp=r and ep=r. `check` validates a config.json dict before any process
+tp=t for the dense weights and, under EP, dp=e, ep=e for the experts (e = dp x tp), two meshes over
+the same ranks in which rank r has tp=r and ep=r. `check` validates a config.json dict before any process
 starts, so a size that does not split names itself first.
 """
 
@@ -39,12 +43,38 @@ class ShardPlan:
     """Routed experts split whole across the ranks (EP) instead of TP inside each expert."""
     vocab_parallel: bool = True
     """Embedding and LM head split by vocabulary rows; False keeps them whole on every rank."""
+    dp: int = 1
+    """Data-parallel attention ranks (each runs its own requests); the routed experts then split over
+    all dp x tp ranks and travel by all-to-all (DispatchMoE). Needs expert_parallel and tp = 1."""
+    dp_rank: int = 0
+    """This rank in the data-parallel group."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
-            raise ParallelError(f"tensor_parallel_size={self.tp!r}; expected a positive int")
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.tp:
-            raise ParallelError(f"rank={self.rank!r} is outside 0..{self.tp - 1}")
+        for name, size, rank in (("tensor_parallel_size", self.tp, "rank"), ("data_parallel_size", self.dp, "dp_rank")):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ParallelError(f"{name}={size!r}; expected a positive int")
+            value = getattr(self, rank)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < size:
+                raise ParallelError(f"{rank}={value!r} is outside 0..{size - 1}")
+        if self.dp > 1 and not self.expert_parallel:
+            raise ParallelError(
+                f"data_parallel_size={self.dp} without expert parallel: DP attention shards only the experts"
+                " (enable_expert_parallel=True)"
+            )
+        if self.dp > 1 and self.tp > 1:
+            raise ParallelError(
+                f"data_parallel_size={self.dp} with tensor_parallel_size={self.tp}: DP attention runs with TP = 1"
+            )
+
+    @property
+    def ep(self) -> int:
+        """Expert-parallel size: dp x tp under expert parallel, else 1."""
+        return self.dp * self.tp if self.expert_parallel else 1
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank in the expert-parallel group (dp_rank x tp + rank)."""
+        return self.dp_rank * self.tp + self.rank if self.expert_parallel else 0
 
     # ------------------------------------------------------------------ meshes
     def dense_config(self):
@@ -57,20 +87,27 @@ class ShardPlan:
         """ms-layout config of the routed experts: ep = tp over the same ranks under EP, else the dense one."""
         from ms_layout import ParallelConfig
 
-        return ParallelConfig(dp=self.tp, ep=self.tp) if self.expert_parallel else self.dense_config()
+        return ParallelConfig(dp=self.ep, ep=self.ep) if self.expert_parallel else self.dense_config()
 
     def expert_range(self, num_experts: int) -> tuple[int, int]:
         """[first, last) routed experts this rank holds."""
         if not self.expert_parallel:
             return 0, num_experts
-        per = num_experts // self.tp
-        return self.rank * per, (self.rank + 1) * per
+        per = num_experts // self.ep
+        return self.ep_rank * per, (self.ep_rank + 1) * per
 
     # ------------------------------------------------------------------ checks
     def check(self, hf_config: dict[str, Any]) -> None:
         """ParallelError unless every split size of this config.json divides evenly over the ranks."""
         tp, c = self.tp, hf_config
+        experts = c.get("n_routed_experts")
+        if self.dp > 1 and not experts:
+            raise ParallelError(
+                f"data_parallel_size={self.dp} with expert parallel on a model without routed experts"
+                " (a dense model's DP ranks are independent replicas: no plan)"
+            )
         if tp == 1:
+            self._check_experts(experts)
             return
         heads = c.get("num_attention_heads")
         sizes = {
@@ -80,7 +117,6 @@ class ShardPlan:
         }
         if self.vocab_parallel:
             sizes["vocab_size"] = c.get("vocab_size")
-        experts = c.get("n_routed_experts")
         if experts:
             if not c.get("first_k_dense_replace"):
                 del sizes["intermediate_size"]  # no dense MLP layer
@@ -94,18 +130,29 @@ class ShardPlan:
         if bad:
             detail = ", ".join(f"{k}={v}" for k, v in bad.items())
             raise ParallelError(f"tensor_parallel_size={tp} does not divide {detail}")
-        if experts and self.expert_parallel:
-            if experts % tp:
-                raise ParallelError(f"n_routed_experts={experts} does not split over {tp} expert-parallel ranks")
-            if experts // tp < 2:
-                raise ParallelError(
-                    f"n_routed_experts={experts} over {tp} expert-parallel ranks leaves {experts // tp} per rank;"
-                    " ParallelMoE needs at least 2 (split inside the experts instead: expert_parallel=False)"
-                )
+        self._check_experts(experts)
+
+    def _check_experts(self, experts) -> None:
+        if not (experts and self.expert_parallel and self.ep > 1):
+            return
+        ep = self.ep
+        if experts % ep:
+            raise ParallelError(f"n_routed_experts={experts} does not split over {ep} expert-parallel ranks")
+        if experts // ep < 2:
+            raise ParallelError(
+                f"n_routed_experts={experts} over {ep} expert-parallel ranks leaves {experts // ep} per rank;"
+                " the expert-parallel MoE needs at least 2 (split inside the experts instead: expert_parallel=False)"
+            )
 
     # ------------------------------------------------------------------ text and data forms
     def describe(self) -> str:
         """One line: what this rank holds."""
+        if self.dp > 1:
+            return (
+                f"rank {self.ep_rank} of DP={self.dp} x EP={self.ep}: attention, dense MLPs, shared experts and"
+                f" vocabulary whole, its own requests and latent cache; routed experts {self.ep} ways, tokens"
+                " dispatched and combined by all-to-all"
+            )
         moe = f"EP={self.tp} (whole experts)" if self.expert_parallel else f"TP={self.tp} inside each expert"
         vocab = "vocabulary split" if self.vocab_parallel else "embedding and head whole"
         return (
@@ -121,8 +168,9 @@ class ShardPlan:
         if data.get("version") != 1:
             raise ParallelError(f"ShardPlan version {data.get('version')!r}; this ms-models reads version 1")
         return cls(
-            int(data["tp"]), int(data["rank"]), bool(data["expert_parallel"]), bool(data.get("vocab_parallel", True))
-        )
+            int(data["tp"]), int(data["rank"]), bool(data["expert_parallel"]), bool(data.get("vocab_parallel", True)),
+            int(data.get("dp", 1)), int(data.get("dp_rank", 0)),
+        )  # fmt: skip
 
 
 __all__ = ["ParallelError", "ShardPlan"]

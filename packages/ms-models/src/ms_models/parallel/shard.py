@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from .layers import ParallelMoE, RowParallelLinear, VocabParallelEmbedding, all_reduce
+from .layers import DispatchMoE, ParallelMoE, RowParallelLinear, VocabParallelEmbedding, all_reduce
 from .plan import ShardPlan
 
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
@@ -37,7 +37,7 @@ def local_config(config, plan: ShardPlan):
         return config_from_dict(d)
     if plan.expert_parallel:
         # Only the expert count matters here: ParallelMoE brings the full router back.
-        n = config.n_routed_experts // t
+        n = config.n_routed_experts // plan.ep
         d.update(n_routed_experts=n, n_group=1, topk_group=1, num_experts_per_tok=min(config.num_experts_per_tok, n))
     else:
         d["moe_intermediate_size"] = config.moe_intermediate_size // t
@@ -49,6 +49,11 @@ def shard_cells(model, full_config, plan: ShardPlan, group) -> None:
     embedding and the logits' all-gather) into a model built from `local_config`."""
     m, c = model.model, full_config
     layers = list(m.layers) + list(getattr(m, "mtp_layers", None) or [])
+    if plan.dp > 1:  # DP attention (tp = 1): only the routed experts are split, exchanged by all-to-all
+        for layer in layers:
+            if hasattr(layer.mlp, "experts"):
+                layer.mlp = DispatchMoE(layer.mlp, full_config, plan, group)
+        return
     for layer in layers:
         attn = layer.self_attn
         attn.o_proj = RowParallelLinear.like(attn.o_proj, group)
@@ -90,9 +95,10 @@ def shard_tensors(
             out[name] = np.asarray(read(slice(None)))  # replicated, or not ours to place (load reports it)
             continue
         layout = placement.layout
-        if plan.rank not in layout.ranks:  # another EP rank's expert
+        rank = plan.ep_rank if numbered and plan.expert_parallel else plan.rank
+        if rank not in layout.ranks:  # another EP rank's expert
             continue
-        value = read(layout.global_slice(tuple(shape), plan.rank))
+        value = read(layout.global_slice(tuple(shape), rank))
         if numbered and plan.expert_parallel:
             e = int(numbered.group(1)) - first
             name = f"{name[: numbered.start()]}.experts.{e}.{name[numbered.end() :]}"

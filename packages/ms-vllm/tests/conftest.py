@@ -3,7 +3,13 @@ engines built once per module (a vLLM engine takes seconds to start on 2 cores).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -82,3 +88,46 @@ JSON_SCHEMA = {
     "additionalProperties": False,
 }
 """A schema a random tiny model can only answer by the grammar (tests/test_structured.py, test_serve.py)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def vllm_server(model, args, log, env=None, wait_s: float = 240):
+    """`vllm serve MODEL --host 127.0.0.1 --port P ARGS...` until healthy -> its base URL; the
+    process group is killed on exit. `log` receives its output (shown when it fails to start)."""
+    import requests
+
+    port = _free_port()
+    cmd = [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", str(model), "--host", "127.0.0.1",
+           "--port", str(port), *args]  # fmt: skip
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", **(env or {}))
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + wait_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                if requests.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(f"vllm serve not healthy after {wait_s} s:\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+        yield base
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)

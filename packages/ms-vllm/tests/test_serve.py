@@ -4,15 +4,10 @@ malformed requests get 4xx and the server keeps serving."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
 from conftest import JSON_SCHEMA as SCHEMA
+from conftest import vllm_server
 
 pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch]
 
@@ -20,68 +15,20 @@ PROMPT = [0, 33, 34, 35, 36, 37]
 FEW_BUCKETS = {"decode_sizes": [1, 2], "prefill_sizes": [16], "context_sizes": [96], "batch_tokens": 16}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_dirs, tmp_path_factory):
     """A `vllm serve` process on the tiny Llama; killed by pid (and its process group) at the end."""
-    import requests
-
-    port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    cmd = [
-        os.path.join(os.path.dirname(sys.executable), "vllm"),
-        "serve",
-        str(tiny_dirs["llama"]),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--served-model-name",
-        "tiny",
-        "--max-model-len",
-        "96",
-        "--block-size",
-        "4",
-        "--kv-cache-memory-bytes",
-        str(4 << 20),
+    args = [
+        "--served-model-name", "tiny", "--max-model-len", "96", "--block-size", "4",
+        "--kv-cache-memory-bytes", str(4 << 20),
         # Compiled, on three buckets (7 s of compiling) instead of the default set.
-        "--additional-config",
-        json.dumps({"compile": FEW_BUCKETS}),
+        "--additional-config", json.dumps({"compile": FEW_BUCKETS}),
         # xgrammar without free whitespace in JSON: a random tiny model would fill the budget with it
-        "--structured-outputs-config",
-        json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
-    ]
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1")
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 240
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                if requests.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"vllm serve not healthy after 240 s:\n{log.read_text()[-4000:]}")
-            time.sleep(1)
+        "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
+    ]  # fmt: skip
+    with vllm_server(tiny_dirs["llama"], args, log) as base:
         yield base
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
 
 
 def test_openai_client_completions_and_streaming(server, reference):

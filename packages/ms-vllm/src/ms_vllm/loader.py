@@ -4,22 +4,25 @@ from __future__ import annotations
 
 import logging
 
-logger = logging.getLogger(__name__)
+# under "vllm.": vLLM configures that logger tree, so the plan line shows in its start-up log
+logger = logging.getLogger("vllm.ms_vllm.loader")
 
 
 def load_ms_model(vllm_config, group=None):
     """The ms_models model of `model_config.model` (float32 on MindSpore's CPU kernels); with a
-    process group (tensor_parallel_size > 1), this rank's shard of it (tp_model.py)."""
+    process group (tensor or DP + expert parallel), this rank's shard of it (ms_models.parallel,
+    cut by parallel.plan_of)."""
     import ms_models
 
     model_config = vllm_config.model_config
     path = model_config.model
     method = model_config.quantization
     if group is not None:
-        from ms_models.parallel import ShardPlan, build_tp_model
+        from ms_models.parallel import build_tp_model
 
-        parallel = vllm_config.parallel_config
-        plan = ShardPlan(group.size, group.rank, bool(parallel.enable_expert_parallel))
+        from .parallel import plan_of
+
+        plan = plan_of(vllm_config, group)
         logger.info("ms-vllm: %s", plan.describe())
         model = build_tp_model(path, plan, group)
     elif method:

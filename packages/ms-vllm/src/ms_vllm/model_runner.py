@@ -55,6 +55,10 @@ class MindSporeModelRunner:
         self.model = model
         self.group = group
         """The tensor/expert-parallel group of a sharded model (ms_models.parallel), None in one process."""
+        self.data_parallel = group is not None and vllm_config.parallel_config.data_parallel_size > 1
+        """DP attention + EP: this rank serves its own requests; every forward exchanges expert tokens
+        with the other ranks, so all ranks run the same number of forwards per engine step."""
+        self._dummy_todo = 0
         self.block_size = vllm_config.cache_config.block_size
         self.max_model_len = vllm_config.model_config.max_model_len
         # The full vocabulary (under TP the model's own config holds one rank's slice of it).
@@ -82,10 +86,11 @@ class MindSporeModelRunner:
             "eager_reasons": {},
             "model_s": 0.0,
             "step_s": 0.0,
+            "dummy_forwards": 0,
         }
         """Counters since start: engine steps, model forward calls, tokens emitted, drafts verified/
         accepted, compiled model calls (those of several prefill chunks apart) and eager ones (with why
-        each eager call had no bucket), and wall
+        each eager call had no bucket), forwards of no request run to pair with other DP ranks, and wall
         seconds inside model calls (logits to numpy included) and inside whole execute() calls."""
 
     # ------------------------------------------------------------------ KV cache
@@ -147,6 +152,7 @@ class MindSporeModelRunner:
         """Compile the buckets (default: BucketConfig.default for this engine) -> seconds per bucket.
         With `cache_dir`, MindSpore's compile cache keeps the graphs on disk for the next start."""
         from .compiled import CompiledSteps, cache_key, use_compile_cache
+        from .compiled_ep import CompiledEPSteps
         from .compiled_tp import CompiledTPSteps
 
         if self.kv_caches is None:
@@ -168,6 +174,8 @@ class MindSporeModelRunner:
             logger.info("ms-vllm: compile cache in %s", path)
         if self.group is None:
             steps = CompiledSteps(self.model, self.kv_caches, config, self.block_size, self.num_blocks)
+        elif self.data_parallel:  # graphs between the experts' all-to-alls
+            steps = CompiledEPSteps(self.model, self.kv_caches, config, self.block_size, self.num_blocks, self.group)
         else:  # graphs between the collectives
             steps = CompiledTPSteps(self.model, self.kv_caches, config, self.block_size, self.num_blocks, self.group)
         steps.warm_up(progress)
@@ -181,11 +189,50 @@ class MindSporeModelRunner:
         """(logits [R, V] numpy of batch.logits_indices, hidden [T, H] MindSpore tensor or None)."""
         t = time.perf_counter()
         if self.compiled is None:
+            self._pair_forwards(1)
             logits, hidden = self._eager(batch)
+            self._run_dummies()
         else:
             logits, hidden = self._in_parts(batch, need_hidden)
         self.stats["model_s"] += time.perf_counter() - t
         return logits, hidden
+
+    # ------------------------------------------------------------------ DP ranks in step
+    def _pair_forwards(self, n: int) -> None:
+        """DP attention + EP: agree with the other ranks on this step's forward count (the largest),
+        and run the missing ones as forwards of no request, so every exchange has all its ranks."""
+        if not self.data_parallel:
+            return
+        most = int(self.group.all_gather(np.array([n], np.int64)).max())
+        self._dummy_todo = most - n
+
+    def _run_dummies(self) -> None:
+        todo, self._dummy_todo = self._dummy_todo, 0
+        for _ in range(todo):
+            self.stats["dummy_forwards"] += 1
+            if self.compiled is not None:
+                self.compiled.dummy().asnumpy()
+            else:
+                self._eager_dummy()
+
+    def _eager_dummy(self) -> None:
+        """One padding token written to the scratch block (no request owns it)."""
+        from mindspore import Tensor
+
+        zero = np.zeros(1, np.int32)
+        slot = np.array([self.num_blocks * self.block_size], np.int32)
+        self.model.forward_paged(
+            Tensor(zero), Tensor(zero), self.kv_caches, slot, np.array([[self.num_blocks]], np.int32),
+            np.ones(1, np.int32), np.array([0, 1], np.int32), logits_indices=zero, block_size=self.block_size,
+        ).asnumpy()  # fmt: skip
+
+    def dummy_step(self) -> None:
+        """An engine step with nothing scheduled here while other DP ranks run theirs (vLLM's
+        execute_dummy_batch, or a step of zero tokens): this rank's part of their exchanges."""
+        if not self.data_parallel:
+            return
+        self._pair_forwards(0)
+        self._run_dummies()
 
     def _eager(self, batch: StepBatch):
         from mindspore import Tensor
@@ -215,6 +262,7 @@ class MindSporeModelRunner:
 
         q_lens = np.diff(batch.query_start_loc)
         parts = plan_step(q_lens, batch.seq_lens, [len(r) for r in batch.sample_rows], self.compiled.config)
+        self._pair_forwards(len(parts))
         order = {int(r): k for k, r in enumerate(batch.logits_indices)}
         logits = np.zeros((len(order), self.vocab_size), np.float32)
         hiddens, sources = [], []
@@ -241,6 +289,7 @@ class MindSporeModelRunner:
             if need_hidden:
                 hiddens.append(h)
                 sources.append(flat)
+        self._run_dummies()
         hidden = None
         if need_hidden and hiddens:
             from mindspore import Tensor
@@ -290,6 +339,7 @@ class MindSporeModelRunner:
         t = time.perf_counter()
         self.update_states(so)
         if not so.total_num_scheduled_tokens:
+            self.dummy_step()
             return EMPTY_MODEL_RUNNER_OUTPUT
         self.stats["steps"] += 1
         batch = build_batch(self.requests, so.num_scheduled_tokens, so.scheduled_spec_decode_tokens, self.block_size)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
-from .parallel import ParallelError, check_vllm_parallel
+from .parallel import ParallelError, check_vllm_parallel, expert_data_parallel
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -123,11 +123,12 @@ class MindSporePlatform(Platform):
         # Tensor/expert parallel runs one worker process per rank under vLLM's "mp" executor;
         # what is not built is refused here, at start-up, rather than mid-request (parallel.py).
         check_vllm_parallel(vllm_config)
-        if parallel.world_size > 1:
+        if parallel.world_size > 1 or expert_data_parallel(vllm_config):
             if vllm_config.model_config is not None and multi_step_from(vllm_config) > 1:
                 raise ParallelError(
                     f"multi_step={multi_step_from(vllm_config)} with tensor_parallel_size="
-                    f"{parallel.tensor_parallel_size} is not supported yet"
+                    f"{parallel.tensor_parallel_size}, data_parallel_size={parallel.data_parallel_size}"
+                    " is not supported yet"
                 )
             # vLLM forks its workers, which is fast (they inherit the imported vLLM) and safe while
             # this process has not loaded MindSpore; a fork of a process running MindSpore's thread

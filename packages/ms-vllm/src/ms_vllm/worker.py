@@ -60,16 +60,19 @@ class MindSporeWorker(WorkerBase):
         if threads:
             ms.set_context(runtime_num_threads=int(threads))
         self.group = None
-        if self.parallel_config.world_size > 1:
+        from .parallel import expert_data_parallel
+
+        if self.parallel_config.world_size > 1 or expert_data_parallel(self.vllm_config):
             self.group = self._init_parallel()
 
     def _init_parallel(self):
         """Join vLLM's process groups (its bookkeeping: process titles, group ranks) and the
         ms_layout.comm world that carries the model's collectives.
 
-        vLLM hands every worker the same rendezvous (a file store, `distributed_init_method`);
-        vLLM's init_distributed_environment makes torch.distributed's gloo world from it, and
-        ms_layout.comm's gloo backend adopts that world (same ranks, no second rendezvous)."""
+        vLLM hands every worker the same rendezvous (a file store, `distributed_init_method`; under
+        data parallel, the DP master's address); vLLM's init_distributed_environment makes
+        torch.distributed's gloo world from it, over all DP x TP ranks, and ms_layout.comm's gloo
+        backend adopts that world (same ranks, no second rendezvous)."""
         from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
 
         from ms_layout import comm
@@ -77,9 +80,10 @@ class MindSporeWorker(WorkerBase):
         p = self.parallel_config
         init_distributed_environment(p.world_size, self.rank, self.distributed_init_method, self.local_rank, "gloo")
         ensure_model_parallel_initialized(p.tensor_parallel_size, p.pipeline_parallel_size)
-        group = comm.init_process_group("gloo", self.rank, p.world_size)
-        if (group.rank, group.size) != (self.rank, p.world_size):
-            raise RuntimeError(f"ms_layout.comm joined as rank {group.rank} of {group.size}, vLLM says {self.rank}")
+        rank, size = p.data_parallel_rank * p.world_size + self.rank, p.world_size * p.data_parallel_size
+        group = comm.init_process_group("gloo", rank, size)
+        if (group.rank, group.size) != (rank, size):
+            raise RuntimeError(f"ms_layout.comm joined as rank {group.rank} of {group.size}; vLLM: {rank} of {size}")
         return group
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
@@ -178,6 +182,11 @@ class MindSporeWorker(WorkerBase):
         """The step's tokens once vLLM's grammar bitmask is ready (structured outputs, structured.py)."""
         return self.runner.sample_tokens(grammar_output)
 
+    def execute_dummy_batch(self) -> None:
+        """vLLM's DP engines call this on a rank with nothing to run while another DP rank steps:
+        under DP attention + EP this rank still takes part in the experts' exchanges."""
+        self.runner.dummy_step()
+
     def take_draft_token_ids(self):
         from vllm.v1.outputs import DraftTokenIds
 
@@ -195,19 +204,24 @@ class MindSporeWorker(WorkerBase):
         if self.runner.drafter is not None:
             calls = self.runner.drafter.calls
             stats["draft_compiled_calls"], stats["draft_eager_calls"] = calls["compiled"], calls["eager"]
-        stats["compile_s"] = dict(self.runner.compiled.compile_s) if self.runner.compiled is not None else {}
+        compiled = self.runner.compiled
+        stats["compile_s"] = dict(compiled.compile_s) if compiled is not None else {}
+        if hasattr(compiled, "exchange_stats"):  # DP attention + EP: the experts' all-to-alls
+            stats["exchange"] = dict(compiled.exchange_stats)
         return stats
 
     def ms_vllm_shard_info(self) -> dict:
-        """What this rank holds (`llm.collective_rpc("ms_vllm_shard_info")`): its rank, parameter
-        elements and the shape of layer 0's KV cache tensors."""
+        """What this rank holds (`llm.collective_rpc("ms_vllm_shard_info")`): its rank in the
+        TP (or DP x EP) group, parameter elements and the shape of layer 0's KV cache tensors."""
         runner = self.runner
         model = runner.model
         # the [blocks, block_size, ...] shape of layer 0's first cache tensor, whatever its layout
         first = model.kv_cache_shapes(runner.num_blocks + 1, runner.block_size)[0][0]
+        group = self.group
         return {
-            "rank": self.rank,
-            "world_size": self.parallel_config.world_size,
+            "rank": self.rank if group is None else group.rank,
+            "world_size": self.parallel_config.world_size if group is None else group.size,
+            "data_parallel_rank": self.parallel_config.data_parallel_rank,
             "params": int(model.num_params()),
             "kv_cache_shape": tuple(int(d) for d in first),
             "compiled": runner.compiled is not None,

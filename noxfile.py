@@ -168,6 +168,8 @@ def bench(session: nox.Session) -> None:
                 session.run("python", str(script), "--model", model, "--out", str(out), *session.posargs)
                 out = results / f"vllm_serve_{model}.json"
                 session.run("python", str(script), "--serve", model, "--out", str(out), *session.posargs)
+            out = results / "vllm_dp_ep.json"
+            session.run("python", str(script), "--serve", "dp-ep", "--out", str(out), *session.posargs)
     summary = ROOT / "benchmarks" / "summary.py"
     session.run("python", str(summary), str(results), "--markdown", str(ROOT / "docs" / "benchmarks.md"))
 

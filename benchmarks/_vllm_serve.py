@@ -43,7 +43,8 @@ def _vllm() -> str:
 class Server:
     """One `vllm serve` process on 127.0.0.1, killed with its process group on exit."""
 
-    def __init__(self, path: str, log: str, cache_dir: str, eager: bool, max_num_seqs: int, timeout: float = 1800):
+    def __init__(self, path: str, log: str, cache_dir: str, eager: bool, max_num_seqs: int, timeout: float = 1800,
+                 extra: tuple[str, ...] = (), env: dict | None = None):  # fmt: skip
         self.path, self.log, self.port = path, log, _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [
@@ -53,7 +54,8 @@ class Server:
         ]  # fmt: skip
         if eager:
             cmd.append("--enforce-eager")
-        env = dict(os.environ, MS_VLLM_COMPILE_CACHE=cache_dir, VLLM_LOGGING_LEVEL="INFO")
+        cmd += list(extra)
+        env = dict(os.environ, MS_VLLM_COMPILE_CACHE=cache_dir, VLLM_LOGGING_LEVEL="INFO", **(env or {}))
         start = time.perf_counter()
         with open(log, "w") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -194,4 +196,4 @@ def serve_rows(result: dict) -> list[dict]:
     return rows
 
 
-__all__ = ["serve", "serve_rows"]
+__all__ = ["METRICS", "Server", "serve", "serve_rows"]

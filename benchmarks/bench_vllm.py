@@ -6,6 +6,8 @@ and the speedups of prefix caching, multi-step decoding and MTP, all measured si
                                                                   writes results/vllm_tiny.json, vllm_mid.json)
     python benchmarks/bench_vllm.py --serve tiny|mid --out F      (`vllm serve` under `vllm bench serve`;
                                                                   results/vllm_serve_tiny.json, _mid.json)
+    python benchmarks/bench_vllm.py --serve dp-ep --out F         (DeepSeek-V3 DP2+EP2 vs TP2 under
+                                                                  `vllm bench serve`; results/vllm_dp_ep.json)
 
 The offline comparison (_vllm_offline.py): 64 mixed-length requests through vllm.LLM with compiled
 steps against HF generate at its best batch size and thread count, and against the plugin's eager
@@ -41,6 +43,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 import numpy as np
 from _common import machine_info, write_result
+from _vllm_dp_ep import dp_ep, dp_ep_rows
 from _vllm_offline import offline, rows_of
 from _vllm_serve import serve, serve_rows
 from _vllm_trained import trained_rows
@@ -180,8 +183,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer tokens and one repeat")
     ap.add_argument("--out", default="benchmarks/results/vllm.json")
     ap.add_argument("--model", choices=("tiny", "mid"), help="only the offline comparison on this model")
-    ap.add_argument("--serve", choices=("tiny", "mid"), help="only `vllm serve` under `vllm bench serve`, this model")
+    ap.add_argument(
+        "--serve", choices=("tiny", "mid", "dp-ep"),
+        help="only `vllm serve` under `vllm bench serve`: this llama, or DeepSeek-V3 DP2+EP2 vs TP2",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.serve == "dp-ep":
+        result = dp_ep(tempfile.mkdtemp(prefix="bench-vllm-dpep-"), num_prompts=16 if args.quick else 64)
+        return write_dp_ep(args, result)
     if args.serve:
         result = serve(args.serve, tempfile.mkdtemp(prefix="bench-vllm-serve-"), num_prompts=16 if args.quick else 64)
         return write_serve(args, result)
@@ -318,6 +327,24 @@ def write_serve(args, result) -> None:
         script="bench_vllm.py",
         note=f"Written by `benchmarks/bench_vllm.py --serve {m}`.",
         rows=serve_rows(result),
+        raw=result["raw"],
+    )
+    write_result(Path(args.out), report)
+    print(json.dumps(report["summary"], indent=2))
+
+
+def write_dp_ep(args, result) -> None:
+    report = dict(
+        benchmark="vllm_dp_ep",
+        title="ms-vllm DeepSeek-V3 (hidden 256) on 2 processes: DP2+EP2 (all-to-all) vs TP2, `vllm bench serve`",
+        summary=result["summary"],
+        machine=machine_info("mindspore", "torch", "vllm", quick=args.quick),
+        load=result["load"],
+        model=result["model"],
+        script="bench_vllm.py",
+        note="Written by `benchmarks/bench_vllm.py --serve dp-ep`; variants alternated, best of the rounds.",
+        rows=dp_ep_rows(result),
+        runs=result["runs"],
         raw=result["raw"],
     )
     write_result(Path(args.out), report)

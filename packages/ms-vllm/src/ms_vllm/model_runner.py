@@ -87,10 +87,12 @@ class MindSporeModelRunner:
             "model_s": 0.0,
             "step_s": 0.0,
             "dummy_forwards": 0,
+            "peak_kv_blocks": 0,
         }
         """Counters since start: engine steps, model forward calls, tokens emitted, drafts verified/
         accepted, compiled model calls (those of several prefill chunks apart) and eager ones (with why
-        each eager call had no bucket), forwards of no request run to pair with other DP ranks, and wall
+        each eager call had no bucket), forwards of no request run to pair with other DP ranks, the most KV blocks its requests held at
+        once (this rank's cache: under TP every rank holds every request's), and wall
         seconds inside model calls (logits to numpy included) and inside whole execute() calls."""
 
     # ------------------------------------------------------------------ KV cache
@@ -144,6 +146,8 @@ class MindSporeModelRunner:
                 st.block_ids = list(new_blocks[0])
             elif new_blocks is not None:
                 st.block_ids.extend(new_blocks[0])
+        held = sum(len(st.block_ids) for st in self.requests.values())
+        self.stats["peak_kv_blocks"] = max(self.stats["peak_kv_blocks"], held)
 
     # ------------------------------------------------------------------ compilation
     def compile(

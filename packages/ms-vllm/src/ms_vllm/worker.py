@@ -224,6 +224,7 @@ class MindSporeWorker(WorkerBase):
             "data_parallel_rank": self.parallel_config.data_parallel_rank,
             "params": int(model.num_params()),
             "kv_cache_shape": tuple(int(d) for d in first),
+            "kv_bytes_per_block": int(runner.cache_bytes_per_block()),
             "compiled": runner.compiled is not None,
         }
 

@@ -4,6 +4,7 @@ that loads back and scores the same held-out text."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -44,4 +45,15 @@ def test_bad_arguments_are_named(tmp_path):
         train_tiny("llama", tmp_path / "x", steps=0)
     with pytest.raises(ModelError, match="seq_len=300"):
         train_tiny("llama", tmp_path / "x", seq_len=300)
+    assert not (tmp_path / "x").exists()
+
+
+def test_cli_set_overrides_fields(tmp_path, capsys):
+    """`ms-models train-tiny --set FIELD=VALUE`: bad forms are named; a field the config lacks too."""
+    from ms_models.cli import main
+
+    for bad, message in (("hidden_size", "expected FIELD=VALUE"), ("hidden_size=wide", "not a JSON value"),
+                         ("hidden=256", "no fields \\['hidden'\\]")):  # fmt: skip
+        assert main(["train-tiny", "llama", str(tmp_path / "x"), "--steps", "1", "--set", bad]) == 2
+        assert re.search(message, capsys.readouterr().err), bad
     assert not (tmp_path / "x").exists()

@@ -1,6 +1,7 @@
 """Tensor and expert parallel through vllm.LLM: 2 worker processes (vLLM's mp executor, ms_layout.comm
 gloo collectives) give the same greedy tokens as one process, with prefix caching and chunked
-prefill on, compiled (graphs between the collectives, compiled_tp.py) and eager. The 2-rank
+prefill on, compiled (graphs between the collectives, compiled_tp.py) and eager, and with multi-step
+decoding (4 iterations per engine step, on both ranks alike). The 2-rank
 engines start in one interpreter (about 1-2 minutes each on a busy 2-core box)."""
 
 from __future__ import annotations
@@ -47,12 +48,14 @@ def generate(*jobs: tuple[Path, dict]) -> list[dict]:
 @pytest.fixture(scope="module")
 def tp_runs(tiny_dirs):
     """Both models' 2-rank engines, one after the other in one interpreter."""
-    llama, llama_eager, deepseek = generate(
+    multi_step = dict(COMPILED, additional_config=dict(COMPILED["additional_config"], multi_step=4))
+    llama, llama_eager, deepseek, llama_multi = generate(
         (tiny_dirs["llama"], dict(tensor_parallel_size=2, **FEATURES, **COMPILED)),
         (tiny_dirs["llama"], dict(tensor_parallel_size=2, **FEATURES, enforce_eager=True)),
         (tiny_dirs["deepseek_v3"], dict(tensor_parallel_size=2, enable_expert_parallel=True, **FEATURES, **COMPILED)),
+        (tiny_dirs["llama"], dict(tensor_parallel_size=2, **FEATURES, **multi_step)),
     )
-    return {"llama": llama, "llama eager": llama_eager, "deepseek_v3": deepseek}
+    return {"llama": llama, "llama eager": llama_eager, "deepseek_v3": deepseek, "llama multi-step": llama_multi}
 
 
 def check_tokens(out, arch, reference):
@@ -61,14 +64,16 @@ def check_tokens(out, arch, reference):
     assert out["cached"] == 12  # the shared prefix's three blocks were reused across ranks
 
 
-@pytest.mark.parametrize("run", ["llama", "llama eager"])
+@pytest.mark.parametrize("run", ["llama", "llama eager", "llama multi-step"])
 def test_llama_tp2_matches_one_process(run, tp_runs, reference):
     out = tp_runs[run]
     check_tokens(out, "llama", reference)
     shards = out["shards"]
-    assert all(s["compiled"] == (run == "llama") for s in shards)
-    if run == "llama":  # every step of both ranks ran the compiled segments
+    assert all(s["compiled"] == (run != "llama eager") for s in shards)
+    if run != "llama eager":  # every step of both ranks ran the compiled segments
         assert out["eager_calls"] == [0, 0] and min(out["compiled_calls"]) > 0
+    if run == "llama multi-step":  # both ranks ran the extra decode iterations inside engine steps
+        assert out["forwards"][0] == out["forwards"][1] > out["steps"][0] == out["steps"][1]
     assert [s["rank"] for s in shards] == [0, 1]
     # Each rank caches 1 of the 2 kv heads; each holds about half of the weights (norms replicated).
     assert all(s["kv_cache_shape"][2:] == [1, 16] for s in shards)

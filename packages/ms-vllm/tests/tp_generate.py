@@ -5,7 +5,7 @@ process that has not loaded MindSpore (the test process has: it computes the ref
 argv[1] is a JSON list of jobs {"model", "prompts", "follow_up", "n", "llm": {LLM kwargs}}, run one
 engine after the other (one interpreter: importing vLLM costs ~20 s of CPU here); the last stdout
 line is the JSON list of their results {"tokens", "follow_up", "cached", "shards", "eager_calls",
-"compiled_calls"} (the last two per rank)."""
+"compiled_calls", "steps", "forwards"} (the last four per rank)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ def generate(job: dict) -> dict:
         "shards": shards,
         "eager_calls": [st["eager_calls"] for st in stats],
         "compiled_calls": [st["compiled_calls"] for st in stats],
+        "steps": [st["steps"] for st in stats],
+        "forwards": [st["forwards"] for st in stats],
     }
     return result
 

@@ -21,7 +21,16 @@ def _make_tiny(args: argparse.Namespace) -> dict:
 def _train_tiny(args: argparse.Namespace) -> dict:
     from .train_tiny import train_tiny
 
-    report = train_tiny(args.arch, args.path, steps=args.steps, seed=args.seed)
+    overrides = {}
+    for item in args.set or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ModelError(f"--set {item!r}; expected FIELD=VALUE (a JSON value), e.g. hidden_size=256")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            raise ModelError(f"--set {item!r}: {value!r} is not a JSON value") from None
+    report = train_tiny(args.arch, args.path, steps=args.steps, seed=args.seed, **overrides)
     report["path"] = args.path
     report.pop("losses")
     return report
@@ -55,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("path")
     train.add_argument("--steps", type=int, default=600)
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--set", action="append", metavar="FIELD=VALUE", help="a config field, e.g. hidden_size=256")
     train.add_argument("--json", action="store_true", help="print the result as JSON")
     train.set_defaults(func=_train_tiny)
     info = sub.add_parser("info", help="describe an HF checkpoint directory")

@@ -64,8 +64,10 @@ def train_tiny(
     batch: int = 16,
     lr: float = 3e-3,
     mtp_weight: float = 0.3,
+    **overrides,
 ) -> dict:
-    """Train the tiny `arch` model on the synthetic corpus and write it to `path`; returns the report."""
+    """Train the tiny `arch` model (config fields changed by `overrides`, e.g. hidden_size=256) on the
+    synthetic corpus and write it to `path`; returns the report."""
     import mindspore as ms
     from mindspore import Tensor, nn, ops
 
@@ -76,7 +78,7 @@ def train_tiny(
     for name, value, low in (("steps", steps, 1), ("seq_len", seq_len, 2), ("batch", batch, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ModelError(f"{name}={value!r}; expected an int >= {low}")
-    config = tiny_config(arch)
+    config = tiny_config(arch, **overrides)
     if seq_len + 2 > config.max_position_embeddings:
         raise ModelError(
             f"seq_len={seq_len} needs {seq_len + 2} positions; the model has {config.max_position_embeddings}"
@@ -136,6 +138,7 @@ def train_tiny(
     write_manifest(directory, ["tokenizer.json"])
     report = {
         "arch": arch,
+        "overrides": overrides,
         "steps": steps,
         "seed": seed,
         "tokens_per_step": batch * seq_len,

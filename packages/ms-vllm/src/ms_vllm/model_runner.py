@@ -232,7 +232,8 @@ class MindSporeModelRunner:
 
     def dummy_step(self) -> None:
         """An engine step with nothing scheduled here while other DP ranks run theirs (vLLM's
-        execute_dummy_batch, or a step of zero tokens): this rank's part of their exchanges."""
+        execute_dummy_batch, which its DP engine loop also runs after a step of no tokens): this
+        rank's part of their exchanges."""
         if not self.data_parallel:
             return
         self._pair_forwards(0)
@@ -343,7 +344,7 @@ class MindSporeModelRunner:
         t = time.perf_counter()
         self.update_states(so)
         if not so.total_num_scheduled_tokens:
-            self.dummy_step()
+            # (under DP + EP vLLM follows a step of no tokens with execute_dummy_batch, which pairs)
             return EMPTY_MODEL_RUNNER_OUTPUT
         self.stats["steps"] += 1
         batch = build_batch(self.requests, so.num_scheduled_tokens, so.scheduled_spec_decode_tokens, self.block_size)

@@ -91,8 +91,9 @@ class MindSporeModelRunner:
         }
         """Counters since start: engine steps, model forward calls, tokens emitted, drafts verified/
         accepted, compiled model calls (those of several prefill chunks apart) and eager ones (with why
-        each eager call had no bucket), forwards of no request run to pair with other DP ranks, the most KV blocks its requests held at
-        once (this rank's cache: under TP every rank holds every request's), and wall
+        each eager call had no bucket), forwards of no request run to pair with other DP ranks, the
+        most KV blocks its requests held at once (this rank's cache: under TP every rank holds every
+        request's), and wall
         seconds inside model calls (logits to numpy included) and inside whole execute() calls."""
 
     # ------------------------------------------------------------------ KV cache

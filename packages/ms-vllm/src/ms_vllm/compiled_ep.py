@@ -27,10 +27,9 @@ from mindspore import Tensor, jit, nn, ops
 from ms_models.parallel import DispatchMoE
 from ms_models.parallel.dispatch import capacity, exchange, route
 
-from .batch import StepBatch
-from .buckets import Bucket, BucketConfig
-from .compiled import batch_inputs, compile_each, empty_batch
-from .compiled_tp import EmbedSegment, HeadSegment, _Cache
+from .buckets import BucketConfig
+from .compiled import compile_each, empty_batch
+from .compiled_tp import EmbedSegment, HeadSegment, SegmentedSteps, _Cache
 
 
 class _LayerSegment(nn.Cell):
@@ -87,7 +86,7 @@ class ExpertSegment(nn.Cell):
         return super().__call__(Tensor.from_numpy(rows), Tensor.from_numpy(mix)).asnumpy()
 
 
-class CompiledEPSteps:
+class CompiledEPSteps(SegmentedSteps):
     """One DP rank's compiled segments for every bucket of a BucketConfig (same interface as CompiledSteps)."""
 
     def __init__(self, model, kv_caches, config: BucketConfig, block_size: int, scratch_block: int, group):
@@ -132,25 +131,6 @@ class CompiledEPSteps:
                 indices, weights, h, x = segment(x, delta, positions, *meta)
                 delta = self._routed(i, indices, weights, h, real)
         return self.head(x, delta, rows)
-
-    def run(self, batch: StepBatch, bucket: Bucket):
-        """(logits of the part's sample rows [R_real, V], hidden [T_real, H]) of one part, compiled."""
-        ids, positions, rows, meta = batch_inputs(batch, bucket, self.scratch_block, self.block_size)
-        logits, hidden = self._forward(ids, positions, rows, meta, len(batch.input_ids))
-        return logits[: batch.logits_indices.size], hidden[: len(batch.input_ids)]
-
-    def run_exact(self, batch: StepBatch):
-        """A part no bucket fits: the same segments at its own shape (they compile for it)."""
-        from ms_models import PagedMetadata
-
-        rows = batch.logits_indices if batch.logits_indices.size else np.zeros(1, np.int32)
-        meta = PagedMetadata.build(
-            batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-            self.block_size,
-        )  # fmt: skip
-        ids, pos = Tensor(np.asarray(batch.input_ids, np.int32)), Tensor(np.asarray(batch.positions, np.int32))
-        logits, hidden = self._forward(ids, pos, Tensor(np.asarray(rows, np.int32)), meta.tensors(), len(ids))
-        return logits.asnumpy()[: batch.logits_indices.size], hidden
 
     def dummy(self):
         """A forward of no request in the smallest bucket: this rank's part of the other ranks' exchanges."""

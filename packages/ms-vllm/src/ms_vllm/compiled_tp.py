@@ -109,7 +109,32 @@ class HeadSegment(nn.Cell):
         return linear(ops.gather(h, rows, 0), self.table.weight), h
 
 
-class CompiledTPSteps:
+class SegmentedSteps:
+    """What every step cut into segments shares (TP here, DP + EP in compiled_ep.py): a part padded
+    to its bucket, or at its own shape, through the subclass's `_forward(ids, positions, rows, meta,
+    real)` (real: the part's token count before padding)."""
+
+    def run(self, batch: StepBatch, bucket: Bucket):
+        """(logits of the part's sample rows [R_real, V], hidden [T_real, H]) of one part, compiled."""
+        ids, positions, rows, meta = batch_inputs(batch, bucket, self.scratch_block, self.block_size)
+        logits, hidden = self._forward(ids, positions, rows, meta, len(batch.input_ids))
+        return logits[: batch.logits_indices.size], hidden[: len(batch.input_ids)]
+
+    def run_exact(self, batch: StepBatch):
+        """A part no bucket fits: the same segments at its own shape (they compile for it)."""
+        from ms_models import PagedMetadata
+
+        rows = batch.logits_indices if batch.logits_indices.size else np.zeros(1, np.int32)
+        meta = PagedMetadata.build(
+            batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+            self.block_size,
+        )  # fmt: skip
+        ids, pos = Tensor(np.asarray(batch.input_ids, np.int32)), Tensor(np.asarray(batch.positions, np.int32))
+        logits, hidden = self._forward(ids, pos, Tensor(np.asarray(rows, np.int32)), meta.tensors(), len(ids))
+        return logits.asnumpy()[: batch.logits_indices.size], hidden
+
+
+class CompiledTPSteps(SegmentedSteps):
     """One rank's compiled segments for every bucket of a BucketConfig (same interface as CompiledSteps)."""
 
     def __init__(self, model, kv_caches, config: BucketConfig, block_size: int, scratch_block: int, group):
@@ -127,7 +152,7 @@ class CompiledTPSteps:
             bias = _bias(getattr(layer.mlp, "down_proj", None))
         self.head = HeadSegment(model, bias)
 
-    def _forward(self, ids, positions, rows, meta):
+    def _forward(self, ids, positions, rows, meta, real: int):
         """The segments and collectives of one padded (or exact) flat batch -> (logits [R, V], hidden)."""
         x = all_reduce(self.embed(ids), self.group)
         delta = ops.zeros(x.shape, x.dtype)
@@ -138,25 +163,6 @@ class CompiledTPSteps:
         local, hidden = self.head(x, delta, rows)
         part = np.ascontiguousarray(local.asnumpy())
         return Tensor.from_numpy(self.group.all_gather(part, axis=part.ndim - 1)), hidden
-
-    def run(self, batch: StepBatch, bucket: Bucket):
-        """(logits of the part's sample rows [R_real, V], hidden [T_real, H]) of one part, compiled."""
-        ids, positions, rows, meta = batch_inputs(batch, bucket, self.scratch_block, self.block_size)
-        logits, hidden = self._forward(ids, positions, rows, meta)
-        return logits[: batch.logits_indices.size], hidden[: len(batch.input_ids)]
-
-    def run_exact(self, batch: StepBatch):
-        """A part no bucket fits: the same segments at its own shape (they compile for it)."""
-        from ms_models import PagedMetadata
-
-        rows = batch.logits_indices if batch.logits_indices.size else np.zeros(1, np.int32)
-        meta = PagedMetadata.build(
-            batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-            self.block_size,
-        )  # fmt: skip
-        ids, pos = Tensor(np.asarray(batch.input_ids, np.int32)), Tensor(np.asarray(batch.positions, np.int32))
-        logits, hidden = self._forward(ids, pos, Tensor(np.asarray(rows, np.int32)), meta.tensors())
-        return logits.asnumpy()[: batch.logits_indices.size], hidden
 
     def warm_up(self, progress: bool = True) -> dict[str, float]:
         """Compile every bucket's segments on all-padding batches (only the scratch block is written);

@@ -26,6 +26,7 @@ import numpy as np
 
 from .batch import RequestState, StepBatch, build_batch, build_draft_batch, select_requests, slots_for
 from .buckets import BucketConfig, plan_step
+from .lockstep import Lockstep, padding_forward
 from .sampler import SamplingRow, logprobs_of, sample_row
 from .structured import apply_grammar_bitmask
 
@@ -58,7 +59,7 @@ class MindSporeModelRunner:
         self.data_parallel = group is not None and vllm_config.parallel_config.data_parallel_size > 1
         """DP attention + EP: this rank serves its own requests; every forward exchanges expert tokens
         with the other ranks, so all ranks run the same number of forwards per engine step."""
-        self._dummy_todo = 0
+        self.lockstep = Lockstep(group if self.data_parallel else None, self._dummy_forward)
         self.block_size = vllm_config.cache_config.block_size
         self.max_model_len = vllm_config.model_config.max_model_len
         # The full vocabulary (under TP the model's own config holds one rank's slice of it).
@@ -194,51 +195,27 @@ class MindSporeModelRunner:
         """(logits [R, V] numpy of batch.logits_indices, hidden [T, H] MindSpore tensor or None)."""
         t = time.perf_counter()
         if self.compiled is None:
-            self._pair_forwards(1)
-            logits, hidden = self._eager(batch)
-            self._run_dummies()
+            with self.lockstep.forwards(1):
+                logits, hidden = self._eager(batch)
         else:
             logits, hidden = self._in_parts(batch, need_hidden)
         self.stats["model_s"] += time.perf_counter() - t
         return logits, hidden
 
-    # ------------------------------------------------------------------ DP ranks in step
-    def _pair_forwards(self, n: int) -> None:
-        """DP attention + EP: agree with the other ranks on this step's forward count (the largest),
-        and run the missing ones as forwards of no request, so every exchange has all its ranks."""
-        if not self.data_parallel:
-            return
-        most = int(self.group.all_gather(np.array([n], np.int64)).max())
-        self._dummy_todo = most - n
-
-    def _run_dummies(self) -> None:
-        todo, self._dummy_todo = self._dummy_todo, 0
-        for _ in range(todo):
-            self.stats["dummy_forwards"] += 1
-            if self.compiled is not None:
-                self.compiled.dummy().asnumpy()
-            else:
-                self._eager_dummy()
-
-    def _eager_dummy(self) -> None:
-        """One padding token written to the scratch block (no request owns it)."""
-        from mindspore import Tensor
-
-        zero = np.zeros(1, np.int32)
-        slot = np.array([self.num_blocks * self.block_size], np.int32)
-        self.model.forward_paged(
-            Tensor(zero), Tensor(zero), self.kv_caches, slot, np.array([[self.num_blocks]], np.int32),
-            np.ones(1, np.int32), np.array([0, 1], np.int32), logits_indices=zero, block_size=self.block_size,
-        ).asnumpy()  # fmt: skip
+    def _dummy_forward(self) -> None:
+        """A forward of no request (lockstep.py): the smallest compiled bucket, else one padding token."""
+        self.stats["dummy_forwards"] += 1
+        if self.compiled is not None:
+            self.compiled.dummy().asnumpy()
+        else:
+            padding_forward(self.model, self.kv_caches, self.num_blocks, self.block_size)
 
     def dummy_step(self) -> None:
         """An engine step with nothing scheduled here while other DP ranks run theirs (vLLM's
         execute_dummy_batch, which its DP engine loop also runs after a step of no tokens): this
         rank's part of their exchanges."""
-        if not self.data_parallel:
-            return
-        self._pair_forwards(0)
-        self._run_dummies()
+        with self.lockstep.forwards(0):
+            pass
 
     def _eager(self, batch: StepBatch):
         from mindspore import Tensor
@@ -264,11 +241,14 @@ class MindSporeModelRunner:
 
     def _in_parts(self, batch: StepBatch, need_hidden: bool):
         """The step as compiled parts (and eager ones for shapes outside the buckets)."""
-        from mindspore import ops
-
         q_lens = np.diff(batch.query_start_loc)
         parts = plan_step(q_lens, batch.seq_lens, [len(r) for r in batch.sample_rows], self.compiled.config)
-        self._pair_forwards(len(parts))
+        with self.lockstep.forwards(len(parts)):
+            return self._run_parts(batch, parts, need_hidden)
+
+    def _run_parts(self, batch: StepBatch, parts, need_hidden: bool):
+        from mindspore import ops
+
         order = {int(r): k for k, r in enumerate(batch.logits_indices)}
         logits = np.zeros((len(order), self.vocab_size), np.float32)
         hiddens, sources = [], []
@@ -295,7 +275,6 @@ class MindSporeModelRunner:
             if need_hidden:
                 hiddens.append(h)
                 sources.append(flat)
-        self._run_dummies()
         hidden = None
         if need_hidden and hiddens:
             from mindspore import Tensor

@@ -187,6 +187,7 @@ def main() -> None:
         "--serve", choices=("tiny", "mid", "dp-ep"),
         help="only `vllm serve` under `vllm bench serve`: this llama, or DeepSeek-V3 DP2+EP2 vs TP2",
     )  # fmt: skip
+    ap.add_argument("--trained", action="store_true", help="only the trained DeepSeek-V3 rows (MTP, quantization)")
     args = ap.parse_args()
     if args.serve == "dp-ep":
         result = dp_ep(tempfile.mkdtemp(prefix="bench-vllm-dpep-"), num_prompts=16 if args.quick else 64)
@@ -219,6 +220,13 @@ def main() -> None:
     )
     prompts = prompts_for(4, 24, 0)
     rows = []
+    helpers = SimpleNamespace(
+        vllm_engine=vllm_engine, vllm_run=vllm_run, best_of=best_of, timing_row=timing_row, quant_rows=quant_rows,
+        close=close,
+    )  # fmt: skip
+    if args.trained:
+        trained, summary = trained_rows(root, args.quick, helpers)
+        return write(args, trained, {}, None, summary)
     if args.model:
         result = offline(args.model, root, repeats=1 if args.quick else 2)
         return write(args, rows_of(result), {args.model: result}, args.model)
@@ -297,14 +305,6 @@ def main() -> None:
     rows += quant_rows(small, root)
 
     # 6. a trained tiny DeepSeek-V3: MTP acceptance and speed, quantized perplexity (_vllm_trained.py)
-    helpers = SimpleNamespace(
-        vllm_engine=vllm_engine,
-        vllm_run=vllm_run,
-        best_of=best_of,
-        timing_row=timing_row,
-        quant_rows=quant_rows,
-        close=close,
-    )
     trained, summary = trained_rows(root, args.quick, helpers)
     rows += trained
     named = {"prefix caching": "prefix_caching_speedup", "multi-step 4": "multi_step_4_over_1_speedup"}

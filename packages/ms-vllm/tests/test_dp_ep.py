@@ -1,7 +1,8 @@
 """DP attention + EP through `vllm serve --data-parallel-size 2 --enable-expert-parallel`: two engine
 processes, each with its own requests, latent cache and half of DeepSeek-V3's routed experts, the
 experts' tokens exchanged by all-to-all (gloo). Concurrent requests (spread over both ranks by vLLM's
-DP load balancing) give the greedy tokens of one process, compiled and eager."""
+DP load balancing) give the greedy tokens of one process, compiled and eager, and with W8A8 (each
+rank's int8 experts, its own scales) those of the one-process W8A8 model."""
 
 from __future__ import annotations
 
@@ -23,10 +24,8 @@ PROMPTS = [
     [0, *range(40, 52), 101],
 ]
 BUCKETS = {"decode_sizes": [1, 4], "prefill_sizes": [16], "context_sizes": [96], "batch_tokens": 0}
-MODES = {
-    "compiled": ["--additional-config", json.dumps({"compile": BUCKETS})],
-    "eager": ["--enforce-eager"],
-}
+COMPILED = ["--additional-config", json.dumps({"compile": BUCKETS})]
+MODES = {"compiled": COMPILED, "eager": ["--enforce-eager"], "compiled W8A8": COMPILED}
 
 
 def _complete(base: str, prompt: list[int]) -> list[int]:
@@ -49,13 +48,22 @@ def _rank0(base: str, method: str) -> dict:
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_dp2_ep2_serve_matches_one_process(mode, tiny_dirs, reference, tmp_path):
+    model, expect = tiny_dirs["deepseek_v3"], [reference("deepseek_v3", p, N_NEW) for p in PROMPTS]
+    if mode.endswith("W8A8"):  # (the checkpoint's config.json names its method: no flag needed)
+        from ms_models import generate_greedy_recompute
+        from ms_vllm.quant import load_quantized, quantize_checkpoint
+
+        model = str(tmp_path / "w8a8")
+        quantize_checkpoint(tiny_dirs["deepseek_v3"], model, "ms_w8a8", PROMPTS)
+        quantized = load_quantized(model, "ms_w8a8")
+        expect = [generate_greedy_recompute(quantized, p, N_NEW) for p in PROMPTS]
     args = [
         "--served-model-name", "tiny", "--max-model-len", "96", "--block-size", "4",
         "--kv-cache-memory-bytes", str(4 << 20), "--max-num-batched-tokens", "16", "--enable-prefix-caching",
         "--data-parallel-size", "2", "--enable-expert-parallel", *MODES[mode],
     ]  # fmt: skip
     with vllm_server(
-        tiny_dirs["deepseek_v3"],
+        model,
         args,
         tmp_path / "server.log",
         {"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "INFO"},
@@ -63,14 +71,16 @@ def test_dp2_ep2_serve_matches_one_process(mode, tiny_dirs, reference, tmp_path)
         with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
             got = list(pool.map(lambda p: _complete(base, p), PROMPTS))
         stats, shard = _rank0(base, "ms_vllm_stats"), _rank0(base, "ms_vllm_shard_info")
-    assert got == [reference("deepseek_v3", p, N_NEW) for p in PROMPTS]
+    assert got == expect
     log = (tmp_path / "server.log").read_text()
     assert "DP=2 x EP=2" in log  # the plan line at start-up
     # Rank 0 emitted only some of the tokens: rank 1 served the others (and matched one process too).
     assert 0 < stats["tokens"] < N_NEW * len(PROMPTS)
     assert shard["world_size"] == 2 and shard["rank"] == shard["data_parallel_rank"] == 0
     assert shard["kv_cache_shape"][2:] == [24]  # this rank's own latent cache (kv_lora_rank 16 + rope 8)
-    if mode == "compiled":
+    if mode.endswith("W8A8"):
+        assert shard["quantized_cells"] > 0
+    if mode.startswith("compiled"):
         assert stats["eager_calls"] == 0 and stats["compiled_calls"] > 0
         ex = stats["exchange"]
         # tokens went both ways: this rank's to rank 1's experts and rank 1's to this rank's

@@ -49,7 +49,6 @@ def _vllm_config(hf=None, **parallel):
         (dict(distributed_executor_backend="ray"), "'ray'"),
         (dict(lora_config=object()), "enable_lora"),
         (dict(speculative_config=object()), "speculative decoding"),
-        (dict(quantization="ms_w8a8"), "ms_w8a8"),
     ],
 )
 def test_unsupported_settings_are_refused(settings, message):

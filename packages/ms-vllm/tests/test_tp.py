@@ -45,17 +45,42 @@ def generate(*jobs: tuple[Path, dict]) -> list[dict]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+QUANT = {
+    "deepseek_v3 TP2 W8A8": ("ms_w8a8", {}),
+    "deepseek_v3 TP2+EP2 W4A16": ("ms_w4a16", {"enable_expert_parallel": True}),
+}
+
+
 @pytest.fixture(scope="module")
-def tp_runs(tiny_dirs):
-    """Both models' 2-rank engines, one after the other in one interpreter."""
+def quant_dirs(tiny_dirs, tmp_path_factory):
+    """{method: the tiny DeepSeek-V3 quantized by it} (routed experts and kv_b_proj included)."""
+    from ms_vllm.quant import quantize_checkpoint
+
+    root = tmp_path_factory.mktemp("quant")
+    out = {}
+    for method in ("ms_w8a8", "ms_w4a16"):
+        out[method] = root / method
+        quantize_checkpoint(tiny_dirs["deepseek_v3"], str(out[method]), method, PROMPTS, group_size=8)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tiny_dirs, quant_dirs):
+    """The 2-rank engines, one after the other in one interpreter."""
     multi_step = dict(COMPILED, additional_config=dict(COMPILED["additional_config"], multi_step=4))
-    llama, llama_eager, deepseek, llama_multi = generate(
+    quant = [
+        (quant_dirs[method], dict(tensor_parallel_size=2, quantization=method, **extra, **FEATURES, **COMPILED))
+        for method, extra in QUANT.values()
+    ]
+    llama, llama_eager, deepseek, llama_multi, *quantized = generate(
         (tiny_dirs["llama"], dict(tensor_parallel_size=2, **FEATURES, **COMPILED)),
         (tiny_dirs["llama"], dict(tensor_parallel_size=2, **FEATURES, enforce_eager=True)),
         (tiny_dirs["deepseek_v3"], dict(tensor_parallel_size=2, enable_expert_parallel=True, **FEATURES, **COMPILED)),
         (tiny_dirs["llama"], dict(tensor_parallel_size=2, **FEATURES, **multi_step)),
+        *quant,
     )
-    return {"llama": llama, "llama eager": llama_eager, "deepseek_v3": deepseek, "llama multi-step": llama_multi}
+    runs = {"llama": llama, "llama eager": llama_eager, "deepseek_v3": deepseek, "llama multi-step": llama_multi}
+    return dict(runs, **dict(zip(QUANT, quantized)))
 
 
 def check_tokens(out, arch, reference):
@@ -87,6 +112,27 @@ def test_deepseek_tp2_ep2_matches_one_process(tp_runs, reference):
     assert out["eager_calls"] == [0, 0] and min(out["compiled_calls"]) > 0
     # MLA's latent cache (kv_lora_rank 16 + rope 8) is replicated: every rank's heads read all of it.
     assert all(s["kv_cache_shape"][2:] == [24] for s in out["shards"])
+
+
+@pytest.mark.parametrize("run", list(QUANT))
+def test_quantized_deepseek_tp2_matches_one_process(run, tp_runs, quant_dirs):
+    """W8A8 under TP (experts and kv_b_proj split by columns/rows with their scales) and W4A16 under
+    TP + EP (whole experts per rank): the same greedy tokens as the one-process quantized model."""
+    from ms_models import generate_greedy_recompute
+    from ms_vllm.quant import load_quantized
+
+    method = QUANT[run][0]
+    model = load_quantized(str(quant_dirs[method]), method)
+    out = tp_runs[run]
+    assert out["tokens"] == [generate_greedy_recompute(model, p, N_NEW) for p in PROMPTS]
+    assert out["follow_up"] == generate_greedy_recompute(model, FOLLOW_UP, N_NEW)
+    assert out["eager_calls"] == [0, 0] and min(out["compiled_calls"]) > 0
+    assert shards_quantized(out["shards"])
+
+
+def shards_quantized(shards) -> bool:
+    """Each rank's model holds int8 / int4 experts (tp_generate reports the quantized cell count)."""
+    return all(s.get("quantized_cells", 0) > 0 for s in shards)
 
 
 def test_bad_parallel_configs_are_refused(tiny_dirs, tmp_path):

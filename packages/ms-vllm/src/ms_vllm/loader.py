@@ -8,6 +8,14 @@ import logging
 logger = logging.getLogger("vllm.ms_vllm.loader")
 
 
+def check_loadable(method: str) -> str:
+    from .quant_checks import METHODS
+
+    if method not in METHODS:
+        raise ValueError(f"quantization={method!r}; ms-vllm loads {METHODS} (made by `ms-vllm quantize`)")
+    return method
+
+
 def load_ms_model(vllm_config, group=None):
     """The ms_models model of `model_config.model` (float32 on MindSpore's CPU kernels); with a
     process group (tensor or DP + expert parallel), this rank's shard of it (ms_models.parallel,
@@ -23,14 +31,17 @@ def load_ms_model(vllm_config, group=None):
         from .parallel import plan_of
 
         plan = plan_of(vllm_config, group)
-        logger.info("ms-vllm: %s", plan.describe())
-        model = build_tp_model(path, plan, group)
-    elif method:
-        from .quant import METHODS, load_quantized
+        logger.info("ms-vllm: %s%s", plan.describe(), f", {method}" if method else "")
+        if method:
+            from .quant_load import load_quantized_shard
 
-        if method not in METHODS:
-            raise ValueError(f"quantization={method!r}; ms-vllm loads {METHODS} (made by `ms-vllm quantize`)")
-        model = load_quantized(path, method)
+            model = load_quantized_shard(path, check_loadable(method), plan, group)
+        else:
+            model = build_tp_model(path, plan, group)
+    elif method:
+        from .quant_load import load_quantized
+
+        model = load_quantized(path, check_loadable(method))
     else:
         model = ms_models.from_pretrained(path)
     model.set_train(False)

@@ -63,8 +63,6 @@ def check_vllm_parallel(vllm_config) -> None:
         raise ParallelError(f"enable_lora with {where}: LoRA adapters are not sharded yet")
     if vllm_config.speculative_config is not None:
         raise ParallelError(f"speculative decoding (MTP) with {where} is not supported yet")
-    if model is not None and model.quantization:
-        raise ParallelError(f"quantization={model.quantization!r} with {where} is not supported yet")
     if model is None:
         return
     if dp > 1:

@@ -12,12 +12,16 @@ Formats (an HF directory whose config.json carries `quantization_config.quant_me
   (symmetric, per group), `weight_shape` int32 [2]. Activations stay float; the weight is unpacked
   to int8 once at load and dequantized per group in the matmul.
 
-Quantized layers: every `Linear` of the decoder layers except MLA's `kv_b_proj` (absorbed
-attention reads its weight directly) and the stacked routed experts; embeddings, norms, the router
-and the LM head stay float. `quantize_checkpoint` runs the float model on calibration prompts to
-record each layer's input absolute maximum (forward pre-hooks, PyNative) and writes the directory
-with ``ms_layout.files.atomic_dir`` (built under a temporary name, then swapped in; a folder left by
-a killed run is removed by the next one).
+Quantized layers: every `Linear` of the decoder layers (attention, dense MLPs, shared experts) and
+every routed expert's three projections (stored per expert as above, stacked again at load by
+quant_experts.py); embeddings, norms, the router and the LM head stay float. MLA's `kv_b_proj` is
+quantized in the checkpoint but dequantized once at load: absorbed attention multiplies by its two
+halves (W_UK, W_UV) as float weights, as vLLM's MLA does with a quantized kv_b_proj, so its
+quantization error counts and its run-time bytes stay float. `quantize_checkpoint` runs the float
+model on calibration prompts to record each layer's input absolute maximum (forward pre-hooks,
+PyNative; per expert, over the tokens routed to it) and writes the directory with
+``ms_layout.files.atomic_dir`` (built under a temporary name, then swapped in; a folder left by a
+killed run is removed by the next one).
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ from mindspore import dtype as mstype
 from ms_layout.files import atomic_dir
 
 from .quant_checks import METHODS, QuantError, check_group_size, check_method, check_source, check_target
+from .quant_experts import EXPERT_WEIGHT, calibrate_experts, expert_bytes, expert_input_amax
 
-SKIPPED = ("kv_b_proj",)
+#: quantized in the checkpoint, dequantized to a float Linear at load (absorbed MLA reads its weight)
+DEQUANTIZED_AT_LOAD = ("kv_b_proj",)
 __all__ = ["METHODS", "QuantError", "load_quantized", "quantize_checkpoint"]
 
 
@@ -108,12 +114,13 @@ class W4A16Linear(nn.Cell):
 
 # ------------------------------------------------------------------ which layers
 def quantizable(model) -> dict[str, nn.Cell]:
-    """name -> Linear cell of every layer the formats quantize."""
+    """name -> Linear cell of every linear layer the formats quantize (routed experts aside; in a
+    tensor-parallel shard the row-parallel ones too)."""
     out = {}
     for name, cell in model.cells_and_names():
-        if not name.startswith(("model.layers.", "model.mtp_layers.")) or name.endswith(SKIPPED):
+        if not name.startswith(("model.layers.", "model.mtp_layers.")):
             continue
-        if type(cell).__name__ == "Linear":
+        if type(cell).__name__ in ("Linear", "RowParallelLinear"):
             out[name] = cell
     return out
 
@@ -126,22 +133,43 @@ def hub_name(model, name: str) -> str:
 
 
 def calibrate(model, prompts: list[list[int]]) -> dict[str, float]:
-    """Input absolute maximum of every quantizable layer over the calibration prompts."""
+    """Checkpoint name -> input absolute maximum of every quantized layer over the calibration
+    prompts (each routed expert's projections over the tokens routed to that expert)."""
     stats: dict[str, float] = {}
     handles = []
-    for name, cell in quantizable(model).items():
+    for cell_name, cell in quantizable(model).items():
+        hub = hub_name(model, cell_name)
 
-        def hook(cell, inputs, name=name):
+        def hook(cell, inputs, name=hub):
             stats[name] = max(stats.get(name, 0.0), float(np.abs(inputs[0].asnumpy()).max()))
 
         handles.append(cell.register_forward_pre_hook(hook))
-    try:
+
+    def run():
         for p in prompts:
             model(Tensor(np.asarray([p], np.int32))).asnumpy()
+
+    try:
+        experts = calibrate_experts(model, run)
     finally:
         for h in handles:
             h.remove()
+    stats.update(expert_input_amax(experts, lambda moe: hub_name(model, f"{moe}.experts")))
     return stats
+
+
+def _quantize_layer(tensors: dict, name: str, w: np.ndarray, method: str, amax: float, group: int) -> int:
+    """Put layer `name`'s quantized tensors into `tensors`; returns their bytes."""
+    if method == "ms_w8a8":
+        q, s = quantize_w8(w)
+        tensors.update({f"{name}.weight": q, f"{name}.weight_scale": s})
+        tensors[f"{name}.input_scale"] = np.array([max(amax, 1e-8) / 127.0], np.float32)
+        return q.nbytes + s.nbytes + 4
+    q, s = quantize_w4(w, group)
+    packed = pack_int4(q)
+    tensors.update({f"{name}.weight_packed": packed, f"{name}.weight_scale": s})
+    tensors[f"{name}.weight_shape"] = np.array(w.shape, np.int32)
+    return packed.nbytes + s.nbytes + 8
 
 
 def quantize_checkpoint(src: str, dst: str, method: str, prompts: list[list[int]], group_size: int = 32) -> dict:
@@ -159,22 +187,13 @@ def quantize_checkpoint(src: str, dst: str, method: str, prompts: list[list[int]
     model = ms_models.from_pretrained(src)
     tensors = ms_models.hf_state_dict(model)
     amax = calibrate(model, prompts) if method == "ms_w8a8" else {}
+    names = [hub_name(model, cell_name) for cell_name in quantizable(model)]
+    experts = [k[: -len(".weight")] for k in tensors if EXPERT_WEIGHT.match(k)]
     float_bytes = quant_bytes = 0
-    for cell_name in quantizable(model):
-        name = hub_name(model, cell_name)
+    for name in names + experts:
         w = tensors.pop(f"{name}.weight")
         float_bytes += w.nbytes
-        if method == "ms_w8a8":
-            q, s = quantize_w8(w)
-            tensors.update({f"{name}.weight": q, f"{name}.weight_scale": s})
-            tensors[f"{name}.input_scale"] = np.array([max(amax.get(cell_name, 1.0), 1e-8) / 127.0], np.float32)
-            quant_bytes += q.nbytes + s.nbytes + 4
-        else:
-            q, s = quantize_w4(w, group_size)
-            packed = pack_int4(q)
-            tensors.update({f"{name}.weight_packed": packed, f"{name}.weight_scale": s})
-            tensors[f"{name}.weight_shape"] = np.array(w.shape, np.int32)
-            quant_bytes += packed.nbytes + s.nbytes + 8
+        quant_bytes += _quantize_layer(tensors, name, w, method, amax.get(name, 1.0), group_size)
     config["quantization_config"] = {"quant_method": method, "group_size": group_size}
     # check_target allowed replacing dst only if it is an earlier quantized checkpoint; the old one
     # stays in place until the new folder is complete.
@@ -185,50 +204,21 @@ def quantize_checkpoint(src: str, dst: str, method: str, prompts: list[list[int]
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(tmp, "model.safetensors"))
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
-    layers = len(quantizable(model))
-    return {"method": method, "layers": layers, "float_bytes": float_bytes, "quantized_bytes": quant_bytes}
+    return {
+        "method": method,
+        "layers": len(names),
+        "expert_layers": len(experts),
+        "float_bytes": float_bytes,
+        "quantized_bytes": quant_bytes,
+    }
 
 
 def load_quantized(path: str, method: str):
-    """An ms_models model whose quantizable layers are W8A8Linear / W4A16Linear from `path`."""
-    from safetensors.numpy import load_file
+    """An ms_models model whose quantized layers are W8A8Linear / W4A16Linear (routed experts:
+    W8A8Experts / W4A16Experts) from `path` (quant_load.py; its TP/EP shard: load_quantized_shard)."""
+    from .quant_load import load_quantized as load
 
-    import ms_models
-
-    check_method(method)
-    quant_config = check_source(path).get("quantization_config")
-    if not isinstance(quant_config, dict) or quant_config.get("quant_method") != method:
-        found = quant_config.get("quant_method") if isinstance(quant_config, dict) else None
-        raise QuantError(f"{path!r} is not an {method} checkpoint (quantization_config.quant_method = {found!r:.50})")
-    group = quant_config.get("group_size", 32)
-    check_group_size(group)
-    config = ms_models.load_config(path)
-    model = ms_models.from_config(config, seed=0)
-    raw = {}
-    for f in sorted(os.listdir(path)):
-        if f.endswith(".safetensors"):
-            raw.update(load_file(os.path.join(path, f)))
-    cells = dict(model.cells_and_names())
-    replaced = {}
-    for cell_name in quantizable(model):
-        name = hub_name(model, cell_name)
-        bias = raw.pop(f"{name}.bias", None)
-        needed = ("weight", "weight_scale", "input_scale") if method == "ms_w8a8" else ("weight_packed", "weight_scale")
-        missing = [f"{name}.{k}" for k in needed if f"{name}.{k}" not in raw]
-        if missing:
-            raise QuantError(f"{path!r} lacks the quantized tensors {missing[:3]}")
-        if method == "ms_w8a8":
-            w, s = raw.pop(f"{name}.weight"), raw.pop(f"{name}.weight_scale")
-            layer = W8A8Linear(w, s, raw.pop(f"{name}.input_scale")[0], bias)
-        else:
-            raw.pop(f"{name}.weight_shape", None)
-            layer = W4A16Linear(raw.pop(f"{name}.weight_packed"), raw.pop(f"{name}.weight_scale"), group, bias)
-        parent, _, leaf = cell_name.rpartition(".")
-        replaced[(parent, leaf)] = layer
-    for (parent, leaf), layer in replaced.items():
-        setattr(cells[parent], leaf, layer)
-    ms_models.load_state_dict(model, {k: v.astype(np.float32) for k, v in raw.items()}, strict=False)
-    return model
+    return load(path, method)
 
 
 def weight_bytes(model) -> int:
@@ -240,6 +230,8 @@ def weight_bytes(model) -> int:
             total += cell.weight_int8_bytes + 4 * cell.dequant.shape[0]
         elif isinstance(cell, W4A16Linear):
             total += cell.packed_bytes
+        else:
+            total += expert_bytes(cell) or 0
     for p in model.get_parameters():
         total += 4 * int(np.prod(p.shape))
     return total
@@ -249,7 +241,10 @@ def register_vllm_quantization() -> None:
     """Make vLLM accept `quantization="ms_w8a8" / "ms_w4a16"` (and read it from config.json).
 
     The configs only carry the method name to the worker: the MindSpore layers above do the work,
-    so no torch quantization method is ever built."""
+    so no torch quantization method is ever built. The classes live in this module's namespace
+    (`MsQuantConfig_<method>`), so vLLM's multiprocess executor can pickle a config holding one."""
+    if all(f"MsQuantConfig_{m}" in globals() for m in METHODS):
+        return  # (already registered in this process)
     from vllm.model_executor.layers.quantization import register_quantization_config
     from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
@@ -285,5 +280,16 @@ def register_vllm_quantization() -> None:
             def get_quant_method(self, layer, prefix):
                 return None
 
-        _Config.__name__ = f"MsQuantConfig_{method}"
+        _Config.__name__ = _Config.__qualname__ = f"MsQuantConfig_{method}"
+        _Config.__module__ = __name__
+        globals()[_Config.__name__] = _Config
         register_quantization_config(method)(_Config)
+
+
+def __getattr__(name: str):
+    """`MsQuantConfig_<method>` for unpickling in a fresh worker process (registers them first)."""
+    if name.startswith("MsQuantConfig_"):
+        register_vllm_quantization()
+        if name in globals():
+            return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

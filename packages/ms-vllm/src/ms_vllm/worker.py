@@ -212,7 +212,10 @@ class MindSporeWorker(WorkerBase):
 
     def ms_vllm_shard_info(self) -> dict:
         """What this rank holds (`llm.collective_rpc("ms_vllm_shard_info")`): its rank in the
-        TP (or DP x EP) group, parameter elements and the shape of layer 0's KV cache tensors."""
+        TP (or DP x EP) group, parameter elements, weight bytes as stored (int8 / packed int4 for
+        quantized layers), quantized cells and the shape of layer 0's KV cache tensors."""
+        from .quant import weight_bytes
+
         runner = self.runner
         model = runner.model
         # the [blocks, block_size, ...] shape of layer 0's first cache tensor, whatever its layout
@@ -223,6 +226,8 @@ class MindSporeWorker(WorkerBase):
             "world_size": self.parallel_config.world_size if group is None else group.size,
             "data_parallel_rank": self.parallel_config.data_parallel_rank,
             "params": int(model.num_params()),
+            "weight_bytes": int(weight_bytes(model)),
+            "quantized_cells": sum(type(c).__name__.startswith(("W8A8", "W4A16")) for _, c in model.cells_and_names()),
             "kv_cache_shape": tuple(int(d) for d in first),
             "kv_bytes_per_block": int(runner.cache_bytes_per_block()),
             "compiled": runner.compiled is not None,

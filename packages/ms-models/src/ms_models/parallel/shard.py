@@ -15,10 +15,27 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from .layers import DispatchMoE, ParallelMoE, RowParallelLinear, VocabParallelEmbedding, all_reduce
-from .plan import ShardPlan
+from .plan import ParallelError, ShardPlan
 
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 _VOCAB = re.compile(r"(embed_tokens|lm_head|shared_head\.head)\.weight$")
+#: a quantized layer's companion tensors (W8A8 / W4A16 checkpoints): sliced like the layer's weight
+_QUANT = re.compile(r"^(.+)\.(weight_scale|weight_packed|input_scale|weight_shape)$")
+_WHOLE = ("input_scale", "weight_shape")
+
+
+def _companion_slice(layout, kind: str, weight_name: str, shape: tuple[int, ...], rank: int) -> tuple[slice, ...]:
+    """The slice of a quantized companion of `weight_name` [out, in] a rank holds: a per-output-channel
+    scale [out] follows the weight's rows; packed int4 [out, in / 8] and group scales [out, in / g]
+    follow its rows and columns (whole 8-value words and whole groups per rank)."""
+    if len(shape) == 1:
+        return layout.global_slice((shape[0], layout.splits[1]), rank)[:1]
+    try:
+        return layout.global_slice(shape, rank)
+    except Exception as err:
+        raise ParallelError(
+            f"{weight_name}'s {kind} {list(shape)} does not split over the ranks like the weight ({err})"
+        ) from None
 
 
 def local_config(config, plan: ShardPlan):
@@ -90,7 +107,9 @@ def shard_tensors(
     out: dict[str, np.ndarray] = {}
     for name, shape, read in tensors:
         numbered = _EXPERT.search(name)
-        placement = (experts if numbered else dense).get(name)
+        quant = _QUANT.match(name)
+        key = f"{quant.group(1)}.weight" if quant else name
+        placement = (experts if numbered else dense).get(key)
         if placement is None or (not plan.vocab_parallel and _VOCAB.search(name)):
             out[name] = np.asarray(read(slice(None)))  # replicated, or not ours to place (load reports it)
             continue
@@ -98,11 +117,18 @@ def shard_tensors(
         rank = plan.ep_rank if numbered and plan.expert_parallel else plan.rank
         if rank not in layout.ranks:  # another EP rank's expert
             continue
-        value = read(layout.global_slice(tuple(shape), rank))
+        if quant and quant.group(2) in _WHOLE:
+            index = slice(None)
+        elif quant:
+            index = _companion_slice(layout, quant.group(2), key, tuple(shape), rank)
+        else:
+            index = layout.global_slice(tuple(shape), rank)
+        value = np.asarray(read(index))
         if numbered and plan.expert_parallel:
             e = int(numbered.group(1)) - first
             name = f"{name[: numbered.start()]}.experts.{e}.{name[numbered.end() :]}"
-        out[name] = np.asarray(value, np.float32)
+        # float weights as float32; quantized integers (int8 values, packed int4) kept as they are
+        out[name] = value if value.dtype.kind in "iu" else value.astype(np.float32)
     return out
 
 

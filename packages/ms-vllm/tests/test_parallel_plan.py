@@ -47,8 +47,6 @@ def _vllm_config(hf=None, **parallel):
         (dict(pipeline_parallel_size=2, world_size=4), "pipeline_parallel_size=2"),
         (dict(data_parallel_size=2), "data_parallel_size=2 with tensor_parallel_size=2"),
         (dict(distributed_executor_backend="ray"), "'ray'"),
-        (dict(lora_config=object()), "enable_lora"),
-        (dict(speculative_config=object()), "speculative decoding"),
     ],
 )
 def test_unsupported_settings_are_refused(settings, message):
@@ -132,6 +130,12 @@ def test_supported_settings_pass(case):
     arch, settings = ACCEPTED[case]
     check_vllm_parallel(_vllm_config(_tiny(arch), **settings))
     _holdings(arch, settings)
+
+
+def test_tp_features_are_accepted():
+    """Under TP, LoRA, MTP and quantization start (test_tp.py runs each against one process)."""
+    features = dict(lora_config=object(), speculative_config=object(), quantization="ms_w8a8")
+    check_vllm_parallel(_vllm_config(_tiny("deepseek_v3"), **TP2, enable_expert_parallel=True, **features))
 
 
 def test_single_process_and_dense_dp_need_no_plan():

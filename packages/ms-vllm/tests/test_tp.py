@@ -34,9 +34,13 @@ COMPILED = dict(
 )  # fmt: skip
 
 
-def generate(*jobs: tuple[Path, dict]) -> list[dict]:
-    """tp_generate.py in a fresh interpreter (see its docstring for why): one engine per (model, LLM kwargs)."""
-    payload = [dict(model=str(path), prompts=PROMPTS, follow_up=FOLLOW_UP, n=N_NEW, llm=llm) for path, llm in jobs]
+def generate(*jobs: tuple) -> list[dict]:
+    """tp_generate.py in a fresh interpreter (see its docstring for why): one engine per (model, LLM
+    kwargs[, payload overrides such as prompts and per-prompt LoRA adapters])."""
+    payload = [
+        {**dict(model=str(job[0]), prompts=PROMPTS, follow_up=FOLLOW_UP, n=N_NEW, llm=job[1]), **(job[2:] or [{}])[0]}
+        for job in jobs
+    ]
     script = os.path.join(os.path.dirname(__file__), "tp_generate.py")
     proc = subprocess.run(
         [sys.executable, script, json.dumps(payload)], capture_output=True, text=True, timeout=900, check=False
@@ -45,6 +49,7 @@ def generate(*jobs: tuple[Path, dict]) -> list[dict]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+MTP = {"method": "deepseek_mtp", "num_speculative_tokens": 1}
 QUANT = {
     "deepseek_v3 TP2 W8A8": ("ms_w8a8", {}),
     "deepseek_v3 TP2+EP2 W4A16": ("ms_w4a16", {"enable_expert_parallel": True}),
@@ -65,22 +70,41 @@ def quant_dirs(tiny_dirs, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tp_runs(tiny_dirs, quant_dirs):
+def adapters(tiny_dirs, tmp_path_factory):
+    """Two PEFT adapters for the tiny Llama (q_proj, v_proj: column-parallel; down_proj: row-parallel)
+    and each one's merged-weights reference tokens."""
+    from test_lora import PROMPT, merged_reference, write_adapter
+
+    from ms_models import from_pretrained
+
+    root, base = tmp_path_factory.mktemp("lora"), from_pretrained(tiny_dirs["llama"])
+    t1, s1 = write_adapter(root / "a1", base, seed=1)
+    t2, s2 = write_adapter(root / "a2", base, seed=2, rank=2, alpha=4.0)
+    loras = [["a1", 1, str(root / "a1")], ["a2", 2, str(root / "a2")], None]
+    expect = [merged_reference(tiny_dirs["llama"], t, s, N_NEW) for t, s in ((t1, s1), (t2, s2))]
+    return dict(prompts=[PROMPT] * 3, loras=loras), expect
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tiny_dirs, quant_dirs, adapters):
     """The 2-rank engines, one after the other in one interpreter."""
     multi_step = dict(COMPILED, additional_config=dict(COMPILED["additional_config"], multi_step=4))
     quant = [
         (quant_dirs[method], dict(tensor_parallel_size=2, quantization=method, **extra, **FEATURES, **COMPILED))
         for method, extra in QUANT.values()
     ]
-    llama, llama_eager, deepseek, llama_multi, *quantized = generate(
+    ep = dict(tensor_parallel_size=2, enable_expert_parallel=True, **FEATURES)
+    llama, llama_eager, deepseek, llama_multi, lora, *quantized = generate(
         (tiny_dirs["llama"], dict(tensor_parallel_size=2, **FEATURES, **COMPILED)),
         (tiny_dirs["llama"], dict(tensor_parallel_size=2, **FEATURES, enforce_eager=True)),
-        (tiny_dirs["deepseek_v3"], dict(tensor_parallel_size=2, enable_expert_parallel=True, **FEATURES, **COMPILED)),
+        (tiny_dirs["deepseek_v3"], dict(ep, speculative_config=MTP, **COMPILED)),
         (tiny_dirs["llama"], dict(tensor_parallel_size=2, **FEATURES, **multi_step)),
+        (tiny_dirs["llama"], dict(tensor_parallel_size=2, enable_lora=True, max_loras=2, max_lora_rank=8, **COMPILED),
+         adapters[0]),
         *quant,
-    )
+    )  # fmt: skip
     runs = {"llama": llama, "llama eager": llama_eager, "deepseek_v3": deepseek, "llama multi-step": llama_multi}
-    return dict(runs, **dict(zip(QUANT, quantized)))
+    return dict(runs, lora=lora, **dict(zip(QUANT, quantized)))
 
 
 def check_tokens(out, arch, reference):
@@ -105,13 +129,28 @@ def test_llama_tp2_matches_one_process(run, tp_runs, reference):
     assert shards[0]["params"] == shards[1]["params"]
 
 
-def test_deepseek_tp2_ep2_matches_one_process(tp_runs, reference):
+def test_deepseek_tp2_ep2_mtp_matches_one_process(tp_runs, reference):
+    """TP2 + EP2 with MTP drafting (the MTP module cut at its collectives, compiled_mtp.SegmentedMTP)."""
     out = tp_runs["deepseek_v3"]
     check_tokens(out, "deepseek_v3", reference)
     assert all(s["compiled"] for s in out["shards"])
     assert out["eager_calls"] == [0, 0] and min(out["compiled_calls"]) > 0
+    # both ranks drafted the same tokens, every draft in a compiled bucket
+    assert out["drafts"][0] == out["drafts"][1] > 0
+    assert out["draft_calls"][0] == out["draft_calls"][1] and out["draft_calls"][0][0] > 0
     # MLA's latent cache (kv_lora_rank 16 + rope 8) is replicated: every rank's heads read all of it.
     assert all(s["kv_cache_shape"][2:] == [24] for s in out["shards"])
+
+
+def test_lora_tp2_matches_merged_weights(tp_runs, adapters, reference):
+    """Two adapters and the base model in one batch under TP2, compiled: each rank holds its slice of
+    every adapter (B rows of q/v, A columns of the row-parallel down_proj), the tokens of one process
+    with the adapter merged into the weights."""
+    from test_lora import PROMPT
+
+    out = tp_runs["lora"]
+    assert out["tokens"] == [*adapters[1], reference("llama", PROMPT, N_NEW)]
+    assert out["eager_calls"] == [0, 0] and min(out["compiled_calls"]) > 0
 
 
 @pytest.mark.parametrize("run", list(QUANT))
@@ -148,5 +187,3 @@ def test_bad_parallel_configs_are_refused(tiny_dirs, tmp_path):
     (bad / "config.json").write_text(json.dumps(dict(config, intermediate_size=129)))
     with pytest.raises(ValueError, match="intermediate_size=129"):
         make_llm(bad, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="enable_lora"):
-        make_llm(tiny_dirs["llama"], tensor_parallel_size=2, enable_lora=True)

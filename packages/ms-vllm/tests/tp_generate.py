@@ -29,7 +29,13 @@ def generate(job: dict) -> dict:
     llm = LLM(model=job["model"], **args)
     greedy = SamplingParams(max_tokens=job["n"], temperature=0.0, ignore_eos=True)
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], greedy, use_tqdm=False)
+        loras = None
+        if job.get("loras"):  # [name, id, path] or None per prompt
+            from vllm.lora.request import LoRARequest
+
+            loras = [None if x is None else LoRARequest(x[0], x[1], x[2]) for x in job["loras"]]
+        prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
+        outs = llm.generate(prompts, greedy, lora_request=loras, use_tqdm=False)
         follow = llm.generate([{"prompt_token_ids": job["follow_up"]}], greedy, use_tqdm=False)[0]
         shards = llm.collective_rpc("ms_vllm_shard_info")
         stats = llm.collective_rpc("ms_vllm_stats")
@@ -44,6 +50,8 @@ def generate(job: dict) -> dict:
         "compiled_calls": [st["compiled_calls"] for st in stats],
         "steps": [st["steps"] for st in stats],
         "forwards": [st["forwards"] for st in stats],
+        "drafts": [st["drafts"] for st in stats],
+        "draft_calls": [(st.get("draft_compiled_calls", 0), st.get("draft_eager_calls", 0)) for st in stats],
     }
     return result
 

@@ -67,6 +67,7 @@ class Experts(nn.Cell):
         c = config
         e, i, h, std = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size, c.initializer_range
         self.num_experts = e
+        self.bmm = ops.BatchMatMul(transpose_b=True)
         self.gate_proj = Parameter(init_normal((e, i, h), std, rng), name="gate_proj")
         self.up_proj = Parameter(init_normal((e, i, h), std, rng), name="up_proj")
         self.down_proj = Parameter(init_normal((e, h, i), std, rng), name="down_proj")
@@ -82,12 +83,13 @@ class Experts(nn.Cell):
     def mix(self, x, combine):
         """sum_e combine[:, e] * expert_e(x): every expert on every row of x [M, H], combine [M, E]
         (zero where a row does not use the expert; a zero row of x gives zero)."""
-        # (the stacks are still transposed per call: a [1, M, H] input does not broadcast over
-        # CPU's BatchMatMul(transpose_b=True), and broadcasting it by hand would keep E copies)
-        xe = x.expand_dims(0)  # [1, M, H]
-        gate = ops.matmul(xe, self.gate_proj.transpose(0, 2, 1))
-        h = ops.silu(gate) * ops.matmul(xe, self.up_proj.transpose(0, 2, 1))
-        y = ops.matmul(h, self.down_proj.transpose(0, 2, 1))  # [E, M, H]
+        # x is copied once per expert rather than every stack transposed per call: CPU's
+        # BatchMatMul(transpose_b=True) does not broadcast a [1, M, H] input, and the copies cost
+        # less than three [E, out, in] transposes (decode, 2 tokens: 0.19 vs 0.56 ms a layer; 4096
+        # tokens: 42 vs 76 ms, E = 8, H = 256, I = 128)
+        xe = ops.broadcast_to(x.expand_dims(0), (self.num_experts,) + x.shape)  # [E, M, H]
+        h = ops.silu(self.bmm(xe, self.gate_proj)) * self.bmm(xe, self.up_proj)
+        y = self.bmm(h, self.down_proj)  # [E, M, H]
         return (combine.T.expand_dims(-1).astype(y.dtype) * y).sum(0)
 
     def dispatch(self, x, weights, indices):

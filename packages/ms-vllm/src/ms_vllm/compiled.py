@@ -93,10 +93,16 @@ class CompiledSteps:
         self._graph = PagedStep(model, kv_caches)
 
     def run(self, batch: StepBatch, bucket: Bucket):
-        """(logits of the part's sample rows [R_real, V], hidden [T_real, H]) of one part, compiled."""
+        """(logits of the part's sample rows [R_real, V] numpy, hidden [T_real, H]) of one part, compiled.
+
+        The logits, the output the graph computes last, are read first: the call returns before its
+        graph has run, and any other read (or a PyNative op on the hidden states) would busy-wait the
+        host thread against the kernels meanwhile (docs/mindspore-cpu.md §15; with MTP, whose
+        drafter slices the hidden states, a decode step took twice as long)."""
         ids, positions, rows, meta = batch_inputs(batch, bucket, self.scratch_block, self.block_size)
         logits, hidden = self._graph(ids, positions, rows, *meta)
-        return logits[: batch.logits_indices.size], hidden[: len(batch.input_ids)]
+        logits = logits.asnumpy()[: batch.logits_indices.size]
+        return logits, hidden[: len(batch.input_ids)]
 
     def warm_up(self, progress: bool = True) -> dict[str, float]:
         """Compile every bucket (on all-padding batches: only the scratch block is written)."""

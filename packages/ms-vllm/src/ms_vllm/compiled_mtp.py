@@ -8,6 +8,13 @@ states for a deeper draft. The batches it runs are cut from the drafter's batch 
 as the target's steps (buckets.plan_step with `drafting=True`): a request with 1 accepted
 position takes a decode bucket, 2..spec_width positions a draft bucket, a prompt chunk a prefill
 bucket; a part that fits none runs the eager path (spec_decode.py) and is counted.
+
+Under tensor parallel (`group`) the module is cut at its collectives like the target's layers
+(compiled_tp.py): `SegmentedMTP` runs the embedding, the combine, the layer's attention and MoE
+partials and the vocabulary slice of the head as graphs, with the all-reduces and the logits'
+all-gather between them on the host; every rank takes the same argmax. A part that fits no bucket
+runs the same segments at its own shape (the cells are in defer mode: the eager path would skip
+their collectives).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from mindspore import int32, jit, nn, ops
 
 from .buckets import Bucket, BucketConfig, plan_step
 from .compiled import compile_each, padded_inputs
+from .compiled_tp import AttnSegment, EmbedSegment, MLPSegment, _bias, _plus
 
 
 class MTPGraph(nn.Cell):
@@ -41,14 +49,71 @@ class MTPGraph(nn.Cell):
         return self.argmax(logits), x
 
 
-class CompiledDrafter:
-    """The MTP modules' graphs for every drafting bucket of a BucketConfig."""
+class CombineSegment(nn.Cell):
+    """The MTP module's eh_proj over [enorm(embedded next tokens); hnorm(hidden)] (replicated weights)."""
 
-    def __init__(self, model, layers, caches, config: BucketConfig, block_size: int, scratch_block: int):
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    @jit
+    def construct(self, embedded, hidden):
+        return self.layer.combine(embedded, hidden)
+
+
+class DraftHeadSegment(nn.Cell):
+    """x + the MLP's summed partial, shared_head's norm at the draft rows, this rank's vocabulary slice."""
+
+    def __init__(self, model, layer, bias):
+        super().__init__()
+        self.layer, self.bias = layer, bias
+        self.table = model.model.embed_tokens if model.tied else model.lm_head
+
+    @jit
+    def construct(self, x, delta, rows):
+        x = _plus(x, delta, self.bias)
+        h = self.layer.shared_head(ops.gather(x, rows, 0))
+        return ops.matmul(h, self.table.weight.T), x
+
+
+class SegmentedMTP:
+    """One MTP module of a tensor-parallel rank: MTPGraph's inputs and outputs, cut at the collectives."""
+
+    def __init__(self, model, layer, cache, group):
+        from ms_models.parallel import all_reduce
+
+        self.all_reduce, self.group = all_reduce, group
+        m = model.model
+        self.embed, self.combine = EmbedSegment(m.embed_tokens), CombineSegment(layer)
+        self.attn = AttnSegment(m.rotary_emb, layer, cache, None)
+        self.mlp = MLPSegment(layer, _bias(layer.self_attn.o_proj))
+        self.head = DraftHeadSegment(model, layer, _bias(getattr(layer.mlp, "down_proj", None)))
+
+    def __call__(self, input_ids, positions, hidden, logits_rows, *meta):
+        from mindspore import Tensor
+
+        x = self.combine(self.all_reduce(self.embed(input_ids), self.group), hidden)
+        a, x = self.attn(x, ops.zeros(x.shape, x.dtype), positions, *meta)
+        m, x = self.mlp(x, self.all_reduce(a, self.group))
+        local, x = self.head(x, self.all_reduce(m, self.group), logits_rows)
+        part = np.ascontiguousarray(local.asnumpy())
+        logits = self.group.all_gather(part, axis=part.ndim - 1)
+        return Tensor(logits.argmax(-1).astype(np.int32)), x
+
+
+class CompiledDrafter:
+    """The MTP modules' graphs for every drafting bucket of a BucketConfig (under TP: SegmentedMTP)."""
+
+    def __init__(self, model, layers, caches, config: BucketConfig, block_size: int, scratch_block: int, group=None):
         self.config = config
         self.block_size = block_size
         self.scratch_block = scratch_block
-        self.graphs = [MTPGraph(model, layer, cache) for layer, cache in zip(layers, caches)]
+        self.segmented = group is not None
+        """True under tensor parallel: a part that fits no bucket must run `run_exact`, not the eager path."""
+        if group is None:
+            self.graphs = [MTPGraph(model, layer, cache) for layer, cache in zip(layers, caches)]
+        else:
+            self.graphs = [SegmentedMTP(model, layer, cache, group) for layer, cache in zip(layers, caches)]
         self.hidden_size = int(model.config.hidden_size)
         self.compile_s: dict[str, float] = {}
         """Seconds of the first (compiling) call of each (module, bucket)."""
@@ -65,6 +130,18 @@ class CompiledDrafter:
             hidden = ops.cat((hidden, ops.zeros((pad, self.hidden_size), hidden.dtype)), 0)
         tokens, x = self.graphs[module](ids_t, pos_t, hidden, rows_t, *meta)
         return tokens.asnumpy()[: len(rows)], x[:t]
+
+    def run_exact(self, module: int, ids, positions, hidden, slots, tables, seq_lens, starts, rows):
+        """run() for a part no bucket fits, at its own shape (the segments compile for it)."""
+        from mindspore import Tensor
+
+        from ms_models import PagedMetadata
+
+        meta = PagedMetadata.build(positions, slots, tables, seq_lens, starts, self.block_size)
+        rows_t = Tensor(np.asarray(rows if len(rows) else [0], np.int32))
+        ids_t, pos_t = Tensor(np.asarray(ids, np.int32)), Tensor(np.asarray(positions, np.int32))
+        tokens, x = self.graphs[module](ids_t, pos_t, hidden, rows_t, *meta.tensors())
+        return tokens.asnumpy()[: len(rows)], x
 
     def plan(self, starts: np.ndarray, seq_lens: np.ndarray, has_row: np.ndarray):
         """The parts of a drafting batch (requests' query starts, contexts, whether each drafts)."""

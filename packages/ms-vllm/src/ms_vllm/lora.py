@@ -19,6 +19,12 @@ The banks and the mask are Parameters written with `ops.assign` (a compiled grap
 Parameter's buffer; `set_data` would swap the buffer under it, docs/mindspore-cpu.md), so the same
 graph serves any adapters and any batch. The tests check a batch mixing two adapters and the base
 model against each adapter merged into the weights, W' = W + scale * B A, eager and compiled.
+
+Under tensor parallel (`shard=(rank, size)`) each rank holds its slice of every adapter, cut as
+vLLM's LoRA layers cut theirs: a column-parallel layer's B by output rows (A whole), a row-parallel
+layer's A by input columns (B whole), a replicated layer's both whole. The row-parallel product
+((x_r A_r^T) * M) B^T is a partial sum like x_r W_r^T, so the wrapper adds it before the layer's one
+all-reduce (ms_models.parallel.RowParallelWrapper): no extra collective.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from safetensors.numpy import load_file
 
 from ms_models import linear
+from ms_models.parallel import RowParallelLinear, RowParallelWrapper
 
 _PREFIX = "base_model.model."
 #: the decoder's linear layers LoRA adapts (HF names; MLA's kv_b_proj is read as a weight by the
@@ -85,6 +92,33 @@ class LoRALinear(nn.Cell):
         return self.base(x) + linear(xa, self.lora_b)
 
 
+class PartialProduct(nn.Cell):
+    """A row-parallel layer's own product x_r W_r^T, before its all-reduce (LoRA adds its partial)."""
+
+    def __init__(self, row_parallel):
+        super().__init__()
+        self.row_parallel = row_parallel
+
+    @property
+    def weight(self):
+        return self.row_parallel.weight
+
+    def construct(self, x):
+        return linear(x, self.row_parallel.weight)
+
+
+def shard_pair(a: np.ndarray, b: np.ndarray, local: tuple[int, int], shard: tuple[int, int]):
+    """This rank's (A, B) of an adapter pair for a layer whose local weight is `local` (out, in):
+    rows of B where the layer's outputs are split, columns of A where its inputs are."""
+    rank, size = shard
+    out_f, in_f = local
+    if b.shape[0] == out_f * size and size > 1 and b.shape[0] != out_f:
+        b = b[rank * out_f : (rank + 1) * out_f]
+    if a.shape[1] == in_f * size and size > 1 and a.shape[1] != in_f:
+        a = a[:, rank * in_f : (rank + 1) * in_f]
+    return a, b
+
+
 def read_peft(path: str, max_rank: int | None = None) -> tuple[float, dict[str, tuple[np.ndarray, np.ndarray]]]:
     """(scale, {module: (A, B)}) of a PEFT adapter directory."""
     config_file = os.path.join(path, "adapter_config.json")
@@ -118,8 +152,10 @@ def read_peft(path: str, max_rank: int | None = None) -> tuple[float, dict[str, 
 class LoRAManager:
     """Adapters by vLLM's lora_int_id in bank slots, the wrapped layers, and the token mask."""
 
-    def __init__(self, model, max_loras: int, max_rank: int, max_tokens: int = 256):
+    def __init__(self, model, max_loras: int, max_rank: int, max_tokens: int = 256, shard=(0, 1)):
         self.model = model
+        self.shard = (int(shard[0]), int(shard[1]))
+        """(rank, size) of the tensor-parallel group whose slice of each adapter this rank holds."""
         self.max_loras, self.max_rank = int(max_loras), int(max_rank)
         self.width = self.max_loras * self.max_rank
         self.known: dict[int, tuple[str, float, dict]] = {}
@@ -132,10 +168,16 @@ class LoRAManager:
         self.wrapped: dict[str, LoRALinear] = {}
         cells = dict(model.cells_and_names())
         for name, cell in cells.items():
-            if type(cell).__name__ == "Linear" and name.startswith("model.layers.") and name.endswith(ADAPTABLE):
+            adaptable = name.startswith("model.layers.") and name.endswith(ADAPTABLE)
+            if adaptable and type(cell).__name__ in ("Linear", "RowParallelLinear"):
                 parent_name, _, leaf = name.rpartition(".")
-                wrapper = LoRALinear(cell, name, self.width, self.mask)
-                setattr(cells[parent_name], leaf, wrapper)
+                if isinstance(cell, RowParallelLinear):  # LoRA's partial joins the layer's all-reduce
+                    wrapper = LoRALinear(PartialProduct(cell), name, self.width, self.mask)
+                    bias = None if cell.bias is None else cell.bias.asnumpy()
+                    layer = RowParallelWrapper(wrapper, bias, cell.group, cell.in_features, cell.out_features)
+                else:
+                    wrapper = layer = LoRALinear(cell, name, self.width, self.mask)
+                setattr(cells[parent_name], leaf, layer)
                 self.wrapped[name] = wrapper
         if not self.wrapped:
             raise LoRAError(f"{type(model).__name__} has no linear layer LoRA can adapt ({', '.join(ADAPTABLE)})")
@@ -170,8 +212,14 @@ class LoRAManager:
                     f"(MLA's kv_b_proj, routed experts, embeddings and the head are not adapted)"
                 )
             out_f, in_f = self.wrapped[module].base.weight.shape
-            if a.shape[1] != in_f or b.shape[0] != out_f or a.shape[0] != b.shape[1]:
-                raise LoRAError(f"{module}: lora_A {a.shape}, lora_B {b.shape} do not fit weight {(out_f, in_f)}")
+            local_a, local_b = shard_pair(a, b, (out_f, in_f), self.shard)
+            if local_a.shape[1] != in_f or local_b.shape[0] != out_f or a.shape[0] != b.shape[1]:
+                size = self.shard[1]
+                whole = f" (this rank's 1/{size} slice of the layer)" if size > 1 else ""
+                raise LoRAError(
+                    f"{module}: lora_A {a.shape}, lora_B {b.shape} do not fit weight {(out_f, in_f)}{whole}"
+                )
+            pairs[module] = (local_a, local_b)
         return scale, pairs
 
     def _load(self, lora_id: int, slot: int) -> None:

@@ -186,7 +186,8 @@ class MindSporeModelRunner:
             steps = CompiledTPSteps(self.model, self.kv_caches, config, self.block_size, self.num_blocks, self.group)
         steps.warm_up(progress)
         if self.drafter is not None:  # the MTP module's graphs: drafting buckets of the same config
-            steps.compile_s.update(self.drafter.compile(config, self.block_size, self.num_blocks, progress))
+            drafter = self.drafter.compile(config, self.block_size, self.num_blocks, progress, self.group)
+            steps.compile_s.update(drafter)
         self.compiled = steps
         return dict(steps.compile_s)
 
@@ -269,7 +270,7 @@ class MindSporeModelRunner:
                 self.stats["batched_prefill_calls"] += part.bucket.kind == "prefill" and part.bucket.batch > 1
                 self._set_lora(sub)
                 lg, h = self.compiled.run(sub, part.bucket)
-                lg = lg.asnumpy()
+                lg = lg if isinstance(lg, np.ndarray) else lg.asnumpy()
             for k, r in enumerate(sub.logits_indices):
                 logits[order[int(flat[r])]] = lg[k]
             if need_hidden:

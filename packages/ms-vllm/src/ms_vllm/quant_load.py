@@ -5,9 +5,10 @@ A shard is cut by ms_models.parallel exactly as a float one (the local config, t
 cells, `read_shards`' lazy slices); the quantized tensors travel with their weight's layout: int8
 values and packed int4 words split like the float weight would be, a per-output-channel scale with
 the weight's rows, group scales with its rows and columns, the activation scale whole. A row-parallel
-layer (o_proj, down_proj) becomes a QuantRowParallel: the quantized matmul of the rank's input
-columns, rescaled, then the same all-reduce (and bias once) as a float RowParallelLinear. Routed
-experts are stacked per rank: its own experts under EP, its columns of every expert under TP.
+layer (o_proj, down_proj) becomes a RowParallelWrapper (ms_models.parallel) around the quantized
+product of the rank's input columns, then the same all-reduce (and bias once) as a float
+RowParallelLinear. Routed experts are stacked per rank: its own experts under EP, its columns of every
+expert under TP.
 """
 
 from __future__ import annotations
@@ -15,31 +16,12 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from mindspore import Tensor
 
-from ms_models.parallel import RowParallelLinear, all_reduce
+from ms_models.parallel import RowParallelLinear, RowParallelWrapper
 
 from .quant import DEQUANTIZED_AT_LOAD, W4A16Linear, W8A8Linear, hub_name, quantizable, unpack_int4
 from .quant_checks import QuantError, check_group_size, check_method, check_source
 from .quant_experts import stack_experts
-
-
-class QuantRowParallel(RowParallelLinear):
-    """A row-parallel layer whose local product is a quantized linear: all-reduce of the partial sums
-    (the caller's in defer mode), then the bias once."""
-
-    def __init__(self, inner, bias, group):
-        super(RowParallelLinear, self).__init__()  # (no float weight of its own)
-        self.inner, self.group = inner, group
-        self.in_features, self.out_features = inner_features(inner)
-        self.bias = None if bias is None else Tensor(np.asarray(bias, np.float32))
-
-    def construct(self, x):
-        y = self.inner(x)
-        if self.defer:
-            return y
-        y = all_reduce(y, self.group)
-        return y if self.bias is None else y + self.bias
 
 
 def inner_features(layer) -> tuple[int, int]:
@@ -100,7 +82,7 @@ def install(model, raw: dict, method: str, group: int, where: str) -> None:
             raw.pop(f"{name}.weight_shape", None)
             layer = W4A16Linear(raw.pop(f"{name}.weight_packed"), raw.pop(f"{name}.weight_scale"), group, inner_bias)
         if row_parallel:
-            layer = QuantRowParallel(layer, bias, cell.group)
+            layer = RowParallelWrapper(layer, bias, cell.group, *inner_features(layer))
         parent, _, leaf = cell_name.rpartition(".")
         replaced[(parent, leaf)] = layer
     for cell_name, cell in cells.items():

@@ -51,11 +51,14 @@ class MTPDrafter:
     def allocate(self, num_blocks: int, block_size: int, flat: bool = False) -> None:
         self.caches = self.model.allocate_mtp_kv_caches(num_blocks, block_size, flat=flat)
 
-    def compile(self, config, block_size: int, scratch_block: int, progress: bool = True) -> dict[str, float]:
-        """Compile the modules' drafting buckets (needs the flat caches) -> seconds per bucket."""
+    def compile(
+        self, config, block_size: int, scratch_block: int, progress: bool = True, group=None
+    ) -> dict[str, float]:
+        """Compile the modules' drafting buckets (needs the flat caches) -> seconds per bucket; with a
+        tensor-parallel `group`, as segments between its collectives."""
         from .compiled_mtp import CompiledDrafter
 
-        self.compiled = CompiledDrafter(self.model, self.layers, self.caches, config, block_size, scratch_block)
+        self.compiled = CompiledDrafter(self.model, self.layers, self.caches, config, block_size, scratch_block, group)
         return self.compiled.warm_up(progress)
 
     def _run(self, depth: int, ids, positions, hidden, slots, tables, seq_lens, starts, block_size):
@@ -100,7 +103,10 @@ class MTPDrafter:
             local = np.asarray([sub_starts[j + 1] - 1 for j in drafting], np.int32)
             args = (ids[flat], positions[flat], hidden[Tensor(flat.astype(np.int32))], slots[flat], tables[reqs],
                     seq_lens[reqs], sub_starts)  # fmt: skip
-            if part.bucket is None:
+            if part.bucket is None and self.compiled is not None and self.compiled.segmented:
+                self.calls["eager"] += 1  # (at its own shape: TP cells defer their collectives)
+                toks, x = self.compiled.run_exact(depth % len(self.layers), *args, local)
+            elif part.bucket is None:
                 self.calls["eager"] += 1
                 x = self._run(depth, *args, block_size)
                 toks = self._draft(depth, x, local) if len(local) else np.zeros(0, np.int64)

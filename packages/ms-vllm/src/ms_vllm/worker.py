@@ -105,7 +105,8 @@ class MindSporeWorker(WorkerBase):
 
             cfg = self.vllm_config.lora_config
             tokens = int(self.vllm_config.scheduler_config.max_num_batched_tokens)
-            lora = LoRAManager(model, cfg.max_loras, cfg.max_lora_rank, max_tokens=tokens)
+            shard = (0, 1) if self.group is None else (self.group.rank, self.group.size)  # (TP: DP + EP refused)
+            lora = LoRAManager(model, cfg.max_loras, cfg.max_lora_rank, max_tokens=tokens, shard=shard)
         self.runner = MindSporeModelRunner(
             self.vllm_config, model, multi_step_from(self.vllm_config), drafter=drafter, lora=lora, group=self.group
         )

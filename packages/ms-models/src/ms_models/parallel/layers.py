@@ -2,6 +2,7 @@
 
     column-parallel q/k/v, gate/up    plain Linear of the local width: no communication
     RowParallelLinear                 o_proj, down_proj: all-reduce of the partial sums, then the bias once
+    RowParallelWrapper                the same around another cell's partial (quantized, LoRA)
     ParallelMoE                       router replicated; routed (EP: own experts; TP: own columns)
                                       plus shared-expert partials, one all-reduce per layer
     VocabParallelEmbedding            rows outside the rank's vocabulary slice are zero; all-reduce
@@ -64,6 +65,25 @@ class RowParallelLinear(nn.Cell):
 
     def construct(self, x):
         y = linear(x, self.weight)
+        if self.defer:
+            return y
+        y = all_reduce(y, self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class RowParallelWrapper(RowParallelLinear):
+    """A row-parallel layer whose local product is another cell of the rank's input columns (a
+    quantized linear, or a float one plus LoRA's partial): all-reduce of the partial sums (the
+    caller's in defer mode), then the bias once. `inner` must not add a bias itself."""
+
+    def __init__(self, inner, bias, group, in_features: int, out_features: int):
+        super(RowParallelLinear, self).__init__()  # (no float weight of its own)
+        self.inner, self.group = inner, group
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = None if bias is None else Tensor(np.asarray(bias, np.float32))
+
+    def construct(self, x):
+        y = self.inner(x)
         if self.defer:
             return y
         y = all_reduce(y, self.group)
@@ -188,6 +208,7 @@ __all__ = [
     "DispatchMoE",
     "ParallelMoE",
     "RowParallelLinear",
+    "RowParallelWrapper",
     "VocabParallelEmbedding",
     "all_reduce",
     "defer_collectives",

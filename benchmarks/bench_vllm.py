@@ -188,6 +188,7 @@ def main() -> None:
         help="only `vllm serve` under `vllm bench serve`: this llama, or DeepSeek-V3 DP2+EP2 vs TP2",
     )  # fmt: skip
     ap.add_argument("--trained", action="store_true", help="only the trained DeepSeek-V3 rows (MTP, quantization)")
+    ap.add_argument("--trained-dir", help="train the DeepSeek-V3 there, or reuse it if it holds training.json")
     args = ap.parse_args()
     if args.serve == "dp-ep":
         result = dp_ep(tempfile.mkdtemp(prefix="bench-vllm-dpep-"), num_prompts=16 if args.quick else 64)
@@ -225,7 +226,7 @@ def main() -> None:
         close=close,
     )  # fmt: skip
     if args.trained:
-        trained, summary = trained_rows(root, args.quick, helpers)
+        trained, summary = trained_rows(root, args.quick, helpers, args.trained_dir)
         return write(args, trained, {}, None, summary)
     if args.model:
         result = offline(args.model, root, repeats=1 if args.quick else 2)
@@ -305,7 +306,7 @@ def main() -> None:
     rows += quant_rows(small, root)
 
     # 6. a trained tiny DeepSeek-V3: MTP acceptance and speed, quantized perplexity (_vllm_trained.py)
-    trained, summary = trained_rows(root, args.quick, helpers)
+    trained, summary = trained_rows(root, args.quick, helpers, args.trained_dir)
     rows += trained
     named = {"prefix caching": "prefix_caching_speedup", "multi-step 4": "multi_step_4_over_1_speedup"}
     named.update({"MTP k=1 vs none, compiled": "random_mtp_over_none_speedup_compiled"})

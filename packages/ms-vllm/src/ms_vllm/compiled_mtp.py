@@ -28,7 +28,8 @@ from .compiled_tp import AttnSegment, EmbedSegment, MLPSegment, _bias, _plus
 
 
 class MTPGraph(nn.Cell):
-    """One MTP module over a padded flat batch: (draft tokens [R] int32, hidden out [T, H])."""
+    """One MTP module over a padded flat batch: (draft tokens [R] int32, the layer's hidden output at
+    those rows [R, H], what a deeper draft starts from)."""
 
     def __init__(self, model, layer, cache):
         super().__init__()
@@ -45,7 +46,8 @@ class MTPGraph(nn.Cell):
         cos, sin = m.rotary_emb(positions)
         x = self.layer.combine(m.embed_tokens(input_ids), hidden)
         x = self.layer.forward_paged(x, cos, sin, self.cache, meta)
-        logits = self.lm.compute_logits(self.layer.shared_head(ops.gather(x, logits_rows, 0)))
+        x = ops.gather(x, logits_rows, 0)
+        logits = self.lm.compute_logits(self.layer.shared_head(x))
         return self.argmax(logits), x
 
 
@@ -71,9 +73,8 @@ class DraftHeadSegment(nn.Cell):
 
     @jit
     def construct(self, x, delta, rows):
-        x = _plus(x, delta, self.bias)
-        h = self.layer.shared_head(ops.gather(x, rows, 0))
-        return ops.matmul(h, self.table.weight.T), x
+        x = ops.gather(_plus(x, delta, self.bias), rows, 0)
+        return ops.matmul(self.layer.shared_head(x), self.table.weight.T), x
 
 
 class SegmentedMTP:
@@ -119,8 +120,8 @@ class CompiledDrafter:
         """Seconds of the first (compiling) call of each (module, bucket)."""
 
     def run(self, module: int, bucket: Bucket, ids, positions, hidden, slots, tables, seq_lens, starts, rows):
-        """(draft tokens of `rows` [len(rows)] numpy, hidden out [T, H]) of one part, compiled;
-        `hidden` [T, H] is a MindSpore tensor of the part's real tokens."""
+        """(draft tokens of `rows` [len(rows)] numpy, hidden out at `rows` [len(rows), H]) of one part,
+        compiled; `hidden` [T, H] is a MindSpore tensor of the part's real tokens."""
         t = len(ids)
         ids_t, pos_t, rows_t, meta = padded_inputs(
             ids, positions, slots, tables, seq_lens, starts, rows, bucket, self.scratch_block, self.block_size
@@ -129,7 +130,8 @@ class CompiledDrafter:
         if pad:  # padding tokens take hidden zeros (they write only the scratch block)
             hidden = ops.cat((hidden, ops.zeros((pad, self.hidden_size), hidden.dtype)), 0)
         tokens, x = self.graphs[module](ids_t, pos_t, hidden, rows_t, *meta)
-        return tokens.asnumpy()[: len(rows)], x[:t]
+        tokens = tokens.asnumpy()  # (computed last: read first, docs/mindspore-cpu.md §15)
+        return tokens[: len(rows)], x if len(rows) == x.shape[0] else x[: len(rows)]
 
     def run_exact(self, module: int, ids, positions, hidden, slots, tables, seq_lens, starts, rows):
         """run() for a part no bucket fits, at its own shape (the segments compile for it)."""
@@ -141,7 +143,7 @@ class CompiledDrafter:
         rows_t = Tensor(np.asarray(rows if len(rows) else [0], np.int32))
         ids_t, pos_t = Tensor(np.asarray(ids, np.int32)), Tensor(np.asarray(positions, np.int32))
         tokens, x = self.graphs[module](ids_t, pos_t, hidden, rows_t, *meta.tensors())
-        return tokens.asnumpy()[: len(rows)], x
+        return tokens.asnumpy()[: len(rows)], x[: len(rows)]
 
     def plan(self, starts: np.ndarray, seq_lens: np.ndarray, has_row: np.ndarray):
         """The parts of a drafting batch (requests' query starts, contexts, whether each drafts)."""

@@ -280,8 +280,10 @@ class MindSporeModelRunner:
         if need_hidden and hiddens:
             from mindspore import Tensor
 
-            inverse = np.argsort(np.concatenate(sources)).astype(np.int32)
-            hidden = ops.gather(ops.cat(hiddens, 0), Tensor(inverse), 0)
+            source = np.concatenate(sources)
+            hidden = hiddens[0] if len(hiddens) == 1 else ops.cat(hiddens, 0)
+            if not np.array_equal(source, np.arange(len(source))):  # (each op here is a PyNative dispatch)
+                hidden = ops.gather(hidden, Tensor(np.argsort(source).astype(np.int32)), 0)
         return logits, hidden
 
     # ------------------------------------------------------------------ sampling

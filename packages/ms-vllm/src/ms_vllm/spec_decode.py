@@ -75,25 +75,23 @@ class MTPDrafter:
         x = layer.combine(m.embed_tokens(Tensor(ids.astype(np.int32))), hidden)
         return layer.forward_paged(x, cos, sin, self.caches[idx], meta)
 
-    def _draft(self, depth: int, x, rows: np.ndarray) -> np.ndarray:
-        from mindspore import Tensor
-
+    def _draft(self, depth: int, x_rows) -> np.ndarray:
         layer = self.layers[depth % len(self.layers)]
-        logits = self.model.compute_logits(layer.shared_head(x[Tensor(rows.astype(np.int32))]))
-        return logits.asnumpy().argmax(-1)
+        return self.model.compute_logits(layer.shared_head(x_rows)).asnumpy().argmax(-1)
 
     def _forward(self, depth, ids, positions, hidden, slots, tables, seq_lens, starts, has_row, block_size):
         """The module of `depth` over a flat batch of requests (query `starts`), in compiled parts
         where they fit a bucket -> (draft token of each request with has_row, in order; the
-        module's hidden state at those rows [n, H])."""
-        from mindspore import Tensor
+        module's hidden state at those rows [n, H]). With one part in request order (the common
+        case) no MindSpore op runs outside the graph: each is a PyNative dispatch of its own."""
+        from mindspore import Tensor, ops
 
         parts = self.compiled.plan(starts, seq_lens, has_row) if self.compiled else None
         if parts is None:
             from .buckets import Part
 
             parts = [Part(list(range(len(seq_lens))), None)]
-        tokens, rows_out = {}, {}
+        tokens, blocks = {}, []
         for part in parts:
             reqs = np.asarray(part.requests, np.int64)
             spans = [np.arange(starts[i], starts[i + 1]) for i in reqs]
@@ -101,26 +99,31 @@ class MTPDrafter:
             sub_starts = np.concatenate([[0], np.cumsum([len(x) for x in spans])]).astype(np.int32)
             drafting = [j for j, i in enumerate(reqs) if has_row[i]]
             local = np.asarray([sub_starts[j + 1] - 1 for j in drafting], np.int32)
-            args = (ids[flat], positions[flat], hidden[Tensor(flat.astype(np.int32))], slots[flat], tables[reqs],
-                    seq_lens[reqs], sub_starts)  # fmt: skip
+            whole = len(flat) == hidden.shape[0] and np.array_equal(flat, np.arange(len(flat)))
+            part_hidden = hidden if whole else hidden[Tensor(flat.astype(np.int32))]
+            args = (ids[flat], positions[flat], part_hidden, slots[flat], tables[reqs], seq_lens[reqs], sub_starts)
             if part.bucket is None and self.compiled is not None and self.compiled.segmented:
                 self.calls["eager"] += 1  # (at its own shape: TP cells defer their collectives)
-                toks, x = self.compiled.run_exact(depth % len(self.layers), *args, local)
+                toks, x_rows = self.compiled.run_exact(depth % len(self.layers), *args, local)
             elif part.bucket is None:
                 self.calls["eager"] += 1
                 x = self._run(depth, *args, block_size)
-                toks = self._draft(depth, x, local) if len(local) else np.zeros(0, np.int64)
+                x_rows = x[Tensor(local)] if len(local) else None
+                toks = self._draft(depth, x_rows) if len(local) else np.zeros(0, np.int64)
             else:
                 self.calls["compiled"] += 1
-                toks, x = self.compiled.run(depth % len(self.layers), part.bucket, *args, local)
-            for j, t, r in zip(drafting, toks, local):
-                tokens[int(reqs[j])], rows_out[int(reqs[j])] = int(t), x[int(r) : int(r) + 1]
+                toks, x_rows = self.compiled.run(depth % len(self.layers), part.bucket, *args, local)
+            owners = [int(reqs[j]) for j in drafting]
+            tokens.update({i: int(t) for i, t in zip(owners, toks)})
+            if owners:
+                blocks.append((owners, x_rows))
         order = sorted(tokens)
         hidden_out = None
-        if order:
-            from mindspore import ops
-
-            hidden_out = ops.cat([rows_out[i] for i in order], 0)
+        if blocks:
+            owners = [i for ids_, _ in blocks for i in ids_]
+            hidden_out = blocks[0][1] if len(blocks) == 1 else ops.cat([x for _, x in blocks], 0)
+            if owners != order:
+                hidden_out = ops.gather(hidden_out, Tensor(np.argsort(owners).astype(np.int32)), 0)
         return [tokens[i] for i in order], hidden_out
 
     def propose(self, draft: DraftBatch, hidden, block_size: int):
@@ -134,7 +137,9 @@ class MTPDrafter:
         starts = draft.query_start_loc
         ends = set((draft.last_rows + 1).tolist())  # a drafting request's last row ends its query
         has_row = np.asarray([starts[i + 1] > starts[i] and int(starts[i + 1]) in ends for i in range(len(starts) - 1)])
-        step_hidden = hidden[Tensor(draft.hidden_rows)]
+        rows = draft.hidden_rows
+        same = len(rows) == hidden.shape[0] and np.array_equal(rows, np.arange(len(rows)))
+        step_hidden = hidden if same else hidden[Tensor(rows)]
         first, last_hidden = self._forward(
             0, draft.input_ids, draft.positions, step_hidden, draft.slot_mapping, draft.block_tables,
             draft.seq_lens, starts, has_row, block_size,

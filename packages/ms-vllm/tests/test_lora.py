@@ -15,7 +15,7 @@ TARGETS = ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
 PROMPT = [0, 60, 61, 62, 63, 64]
 
 
-def write_adapter(directory, model, seed, rank=4, alpha=8.0):
+def write_adapter(directory, model, seed, rank=4, alpha=8.0, targets=TARGETS):
     """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) for `model`."""
     from safetensors.numpy import save_file
 
@@ -23,19 +23,20 @@ def write_adapter(directory, model, seed, rank=4, alpha=8.0):
     shapes = {n: tuple(p.shape) for n, p in model.parameters_and_names()}
     tensors = {}
     for layer in range(model.config.num_hidden_layers):
-        for target in TARGETS:
+        for target in targets:
             module = f"model.layers.{layer}.{target}"
             out_f, in_f = shapes[module + ".weight"]
             tensors[f"base_model.model.{module}.lora_A.weight"] = rng.normal(0, 0.3, (rank, in_f)).astype(np.float32)
             tensors[f"base_model.model.{module}.lora_B.weight"] = rng.normal(0, 0.3, (out_f, rank)).astype(np.float32)
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    modules = [t.split(".")[-1] for t in targets]
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": modules}
     (directory / "adapter_config.json").write_text(json.dumps(config))
     return tensors, alpha / rank
 
 
-def merged_reference(path, tensors, scale, n):
+def merged_reference(path, tensors, scale, n, prompt=PROMPT):
     """Greedy tokens of the model with the adapter merged into its weights."""
     import mindspore as ms
 
@@ -50,7 +51,7 @@ def merged_reference(path, tensors, scale, n):
         b = tensors[key.replace("lora_A", "lora_B")]
         weight = params[module + ".weight"]
         weight.set_data(ms.Tensor(weight.asnumpy() + scale * b @ a))
-    return generate_greedy_recompute(model, PROMPT, n)
+    return generate_greedy_recompute(model, prompt, n)
 
 
 # compiled on two decode sizes and one prefill size (3 graphs), or eager

@@ -138,6 +138,11 @@ def test_tp_features_are_accepted():
     check_vllm_parallel(_vllm_config(_tiny("deepseek_v3"), **TP2, enable_expert_parallel=True, **features))
 
 
+def test_dp_ep_features_are_accepted():
+    """Under DP attention + EP, LoRA and quantization start (test_dp_ep.py runs them through vllm serve)."""
+    check_vllm_parallel(_vllm_config(_tiny("deepseek_v3"), **DP2, enable_expert_parallel=True, lora_config=object()))
+
+
 def test_single_process_and_dense_dp_need_no_plan():
     check_vllm_parallel(_vllm_config(world_size=1, tensor_parallel_size=1, lora_config=object()))
     # a dense model's DP ranks are independent engines: any feature, no shards
@@ -148,7 +153,6 @@ def test_single_process_and_dense_dp_need_no_plan():
     ("settings", "message"),
     [
         (dict(DP2), "needs enable_expert_parallel=True"),
-        (dict(DP2, enable_expert_parallel=True, lora_config=object()), "enable_lora with data_parallel_size=2"),
         (dict(DP2, enable_expert_parallel=True, speculative_config=object()), "MTP"),
         (dict(world_size=2, data_parallel_size=2, enable_expert_parallel=True), "DP attention runs with TP = 1"),
     ],

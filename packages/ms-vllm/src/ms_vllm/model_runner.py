@@ -88,14 +88,15 @@ class MindSporeModelRunner:
             "model_s": 0.0,
             "step_s": 0.0,
             "dummy_forwards": 0,
+            "multi_step_rounds": 0,
             "peak_kv_blocks": 0,
         }
         """Counters since start: engine steps, model forward calls, tokens emitted, drafts verified/
         accepted, compiled model calls (those of several prefill chunks apart) and eager ones (with why
-        each eager call had no bucket), forwards of no request run to pair with other DP ranks, the
-        most KV blocks its requests held at once (this rank's cache: under TP every rank holds every
-        request's), and wall
-        seconds inside model calls (logits to numpy included) and inside whole execute() calls."""
+        each eager call had no bucket), forwards of no request run to pair with other DP ranks, extra
+        multi-step decode rounds run, the most KV blocks its requests held at once (this rank's
+        cache: under TP every rank holds every request's), and wall seconds inside model calls (logits
+        to numpy included) and inside whole execute() calls."""
 
     # ------------------------------------------------------------------ KV cache
     def cache_bytes_per_block(self) -> int:
@@ -192,14 +193,15 @@ class MindSporeModelRunner:
         return dict(steps.compile_s)
 
     # ------------------------------------------------------------------ forward
-    def run_model(self, batch: StepBatch, need_hidden: bool = False):
-        """(logits [R, V] numpy of batch.logits_indices, hidden [T, H] MindSpore tensor or None)."""
+    def run_model(self, batch: StepBatch, need_hidden: bool = False, rounds: int = 0):
+        """(logits [R, V] numpy of batch.logits_indices, hidden [T, H] MindSpore tensor or None);
+        `rounds`: the multi-step decode rounds that will follow (announced to the DP ranks)."""
         t = time.perf_counter()
         if self.compiled is None:
-            with self.lockstep.forwards(1):
+            with self.lockstep.forwards(1, rounds):
                 logits, hidden = self._eager(batch)
         else:
-            logits, hidden = self._in_parts(batch, need_hidden)
+            logits, hidden = self._in_parts(batch, need_hidden, rounds)
         self.stats["model_s"] += time.perf_counter() - t
         return logits, hidden
 
@@ -217,6 +219,7 @@ class MindSporeModelRunner:
         rank's part of their exchanges."""
         with self.lockstep.forwards(0):
             pass
+        self.lockstep.settle()
 
     def _eager(self, batch: StepBatch):
         from mindspore import Tensor
@@ -240,11 +243,11 @@ class MindSporeModelRunner:
             per_req = [self.requests[r].lora_id for r in batch.req_ids]
             self.lora.set_batch(np.repeat(per_req, np.diff(batch.query_start_loc)))
 
-    def _in_parts(self, batch: StepBatch, need_hidden: bool):
+    def _in_parts(self, batch: StepBatch, need_hidden: bool, rounds: int):
         """The step as compiled parts (and eager ones for shapes outside the buckets)."""
         q_lens = np.diff(batch.query_start_loc)
         parts = plan_step(q_lens, batch.seq_lens, [len(r) for r in batch.sample_rows], self.compiled.config)
-        with self.lockstep.forwards(len(parts)):
+        with self.lockstep.forwards(len(parts), rounds):
             return self._run_parts(batch, parts, need_hidden)
 
     def _run_parts(self, batch: StepBatch, parts, need_hidden: bool):
@@ -331,9 +334,11 @@ class MindSporeModelRunner:
             return EMPTY_MODEL_RUNNER_OUTPUT
         self.stats["steps"] += 1
         batch = build_batch(self.requests, so.num_scheduled_tokens, so.scheduled_spec_decode_tokens, self.block_size)
-        logits, hidden = self.run_model(batch, need_hidden=self.drafter is not None)
-        self.pending_step = (batch, logits, hidden, t)
-        if getattr(so, "has_structured_output_requests", False):
+        structured = getattr(so, "has_structured_output_requests", False)
+        rounds = self.multi_step - 1 if self.multi_step > 1 and self._pure_decode(batch) and not structured else 0
+        logits, hidden = self.run_model(batch, need_hidden=self.drafter is not None, rounds=rounds)
+        self.pending_step = (batch, logits, hidden, rounds, t)
+        if structured:
             return None
         return self.sample_tokens(None)
 
@@ -343,14 +348,15 @@ class MindSporeModelRunner:
 
         if self.pending_step is None:
             raise RuntimeError("sample_tokens without a pending execute_model step")
-        (batch, logits, hidden, t), self.pending_step = self.pending_step, None
+        (batch, logits, hidden, rounds, t), self.pending_step = self.pending_step, None
         limits = None
         if grammar_output is not None:
             logits = np.array(logits, np.float32)
             limits = apply_grammar_bitmask(logits, batch, grammar_output)
         sampled, rows = self.sample(batch, logits, limits)
-        if self.multi_step > 1 and self._pure_decode(batch) and grammar_output is None:
-            self._more_decode_steps(batch, sampled, rows)
+        if rounds:
+            self._more_decode_steps(batch, sampled, rows, rounds)
+        self.lockstep.settle()
         if self.drafter is not None:
             draft = build_draft_batch(batch, self.requests, sampled)
             self.pending_drafts = self.drafter.propose(draft, hidden, self.block_size)
@@ -387,10 +393,11 @@ class MindSporeModelRunner:
             and (len(batch.input_ids) == len(batch.req_ids))
         )
 
-    def _more_decode_steps(self, batch: StepBatch, sampled: list[list[int]], rows: list[np.ndarray]) -> None:
-        """Up to multi_step - 1 further decode iterations on the blocks the scheduler reserved ahead."""
+    def _more_decode_steps(self, batch: StepBatch, sampled: list[list[int]], rows: list[np.ndarray], rounds: int):
+        """Up to `rounds` further decode iterations on the blocks the scheduler reserved ahead (under
+        DP + EP each one a lockstep round; the rounds this rank skips, settle() runs empty)."""
         index = {r: i for i, r in enumerate(batch.req_ids)}
-        for _ in range(self.multi_step - 1):
+        for _ in range(rounds):
             live = []
             for req_id in batch.req_ids:
                 st = self.requests[req_id]
@@ -404,7 +411,9 @@ class MindSporeModelRunner:
             for req_id in live:  # the previous token's keys/values are written by this iteration
                 self.requests[req_id].num_computed_tokens = self.requests[req_id].num_tokens - 1
             step = build_batch(self.requests, {r: 1 for r in live}, {}, self.block_size)
-            logits, _ = self.run_model(step)
+            self.stats["multi_step_rounds"] += 1
+            with self.lockstep.round():
+                logits, _ = self.run_model(step)
             new, new_rows = self.sample(step, logits)
             for req_id, toks, r in zip(live, new, new_rows):
                 sampled[index[req_id]].extend(toks)

@@ -56,13 +56,13 @@ def check_vllm_parallel(vllm_config) -> None:
         if tp > 1:
             raise ParallelError(f"data_parallel_size={dp} with tensor_parallel_size={tp} is not supported yet")
         return
-    # Features whose extra forwards the DP ranks would have to pair up (DP + EP), yet: refuse rather
-    # than produce wrong tokens or hang. (Under TP, LoRA, MTP, quantization and multi-step run.)
-    where = f"tensor_parallel_size={tp}" if dp == 1 else f"data_parallel_size={dp} (DP attention + EP)"
-    if dp > 1 and vllm_config.lora_config is not None:
-        raise ParallelError(f"enable_lora with {where}: LoRA adapters are not sharded over DP ranks yet")
+    # The MTP module's drafting forwards would have to pair up over the DP ranks (DP + EP) as the
+    # target's do (lockstep.py): refused rather than hang. (LoRA and multi-step run under DP + EP;
+    # under TP, LoRA, MTP, quantization and multi-step all run.)
     if dp > 1 and vllm_config.speculative_config is not None:
-        raise ParallelError(f"speculative decoding (MTP) with {where} is not supported yet")
+        raise ParallelError(
+            f"speculative decoding (MTP) with data_parallel_size={dp} (DP attention + EP) is not supported yet"
+        )
     if model is None:
         return
     if dp > 1:

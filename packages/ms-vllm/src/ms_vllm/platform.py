@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
-from .parallel import ParallelError, check_vllm_parallel, expert_data_parallel
+from .parallel import check_vllm_parallel
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -123,14 +123,6 @@ class MindSporePlatform(Platform):
         # Tensor/expert parallel runs one worker process per rank under vLLM's "mp" executor;
         # what is not built is refused here, at start-up, rather than mid-request (parallel.py).
         check_vllm_parallel(vllm_config)
-        if expert_data_parallel(vllm_config):
-            # (TP ranks run the same extra decode iterations: same logits, same seeds, same stops;
-            # DP ranks would have to pair theirs up)
-            if vllm_config.model_config is not None and multi_step_from(vllm_config) > 1:
-                raise ParallelError(
-                    f"multi_step={multi_step_from(vllm_config)} with data_parallel_size="
-                    f"{parallel.data_parallel_size} (DP attention + EP) is not supported yet"
-                )
         if parallel.world_size > 1:
             # vLLM forks its workers, which is fast (they inherit the imported vLLM) and safe while
             # this process has not loaded MindSpore; a fork of a process running MindSpore's thread

@@ -105,7 +105,10 @@ class MindSporeWorker(WorkerBase):
 
             cfg = self.vllm_config.lora_config
             tokens = int(self.vllm_config.scheduler_config.max_num_batched_tokens)
-            shard = (0, 1) if self.group is None else (self.group.rank, self.group.size)  # (TP: DP + EP refused)
+            # TP: each rank's slice of every adapter; DP + EP: the attention and dense layers LoRA
+            # adapts are whole on every DP rank, and so are the adapters
+            tp = self.group is not None and self.vllm_config.parallel_config.data_parallel_size == 1
+            shard = (self.group.rank, self.group.size) if tp else (0, 1)
             lora = LoRAManager(model, cfg.max_loras, cfg.max_lora_rank, max_tokens=tokens, shard=shard)
         self.runner = MindSporeModelRunner(
             self.vllm_config, model, multi_step_from(self.vllm_config), drafter=drafter, lora=lora, group=self.group

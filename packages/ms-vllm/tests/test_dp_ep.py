@@ -1,8 +1,10 @@
 """DP attention + EP through `vllm serve --data-parallel-size 2 --enable-expert-parallel`: two engine
 processes, each with its own requests, latent cache and half of DeepSeek-V3's routed experts, the
 experts' tokens exchanged by all-to-all (gloo). Concurrent requests (spread over both ranks by vLLM's
-DP load balancing) give the greedy tokens of one process, compiled and eager, and with W8A8 (each
-rank's int8 experts, its own scales) those of the one-process W8A8 model."""
+DP load balancing) give the greedy tokens of one process, compiled and eager; with W8A8 (each
+rank's int8 experts, its own scales) those of the one-process W8A8 model; with a LoRA adapter on
+half of the requests and multi-step decoding (the ranks' rounds paired, lockstep.py) those of the
+adapter merged into the weights."""
 
 from __future__ import annotations
 
@@ -25,13 +27,37 @@ PROMPTS = [
 ]
 BUCKETS = {"decode_sizes": [1, 4], "prefill_sizes": [16], "context_sizes": [96], "batch_tokens": 0}
 COMPILED = ["--additional-config", json.dumps({"compile": BUCKETS})]
-MODES = {"compiled": COMPILED, "eager": ["--enforce-eager"], "compiled W8A8": COMPILED}
+LORA_MULTI_STEP = [
+    "--additional-config", json.dumps({"compile": BUCKETS, "multi_step": 2}),
+    "--enable-lora", "--max-loras", "1", "--max-lora-rank", "8",
+]  # fmt: skip
+MODES = {
+    "compiled": COMPILED, "eager": ["--enforce-eager"], "compiled W8A8": COMPILED, "LoRA multi-step": LORA_MULTI_STEP,
+}  # fmt: skip
+ADAPTED = (0, 2, 4)  # the prompts sent to the adapter in the LoRA mode
 
 
-def _complete(base: str, prompt: list[int]) -> list[int]:
+def _lora_case(model: str, tmp_path) -> tuple[list[str], list[list[int]]]:
+    """(the server's --lora-modules flag, expected tokens: the adapter merged for ADAPTED prompts)."""
+    from test_lora import merged_reference, write_adapter
+
+    from ms_models import from_pretrained, generate_greedy_recompute
+
+    base = from_pretrained(model)
+    tensors, scale = write_adapter(tmp_path / "a1", base, seed=1, targets=("self_attn.q_b_proj", "self_attn.o_proj"))
+    expect = [
+        merged_reference(model, tensors, scale, N_NEW, prompt=p) if i in ADAPTED
+        else generate_greedy_recompute(base, p, N_NEW)
+        for i, p in enumerate(PROMPTS)
+    ]  # fmt: skip
+    assert any(expect[i] != generate_greedy_recompute(base, PROMPTS[i], N_NEW) for i in ADAPTED)  # it changes tokens
+    return ["--lora-modules", f"a1={tmp_path / 'a1'}"], expect
+
+
+def _complete(base: str, prompt: list[int], name: str = "tiny") -> list[int]:
     import requests
 
-    body = dict(model="tiny", prompt=prompt, max_tokens=N_NEW, temperature=0.0, ignore_eos=True, return_token_ids=True)
+    body = dict(model=name, prompt=prompt, max_tokens=N_NEW, temperature=0.0, ignore_eos=True, return_token_ids=True)
     r = requests.post(base + "/v1/completions", json=body, timeout=300)
     r.raise_for_status()
     return r.json()["choices"][0]["token_ids"]
@@ -57,10 +83,14 @@ def test_dp2_ep2_serve_matches_one_process(mode, tiny_dirs, reference, tmp_path)
         quantize_checkpoint(tiny_dirs["deepseek_v3"], model, "ms_w8a8", PROMPTS)
         quantized = load_quantized(model, "ms_w8a8")
         expect = [generate_greedy_recompute(quantized, p, N_NEW) for p in PROMPTS]
+    names, extra = ["tiny"] * len(PROMPTS), []
+    if mode.startswith("LoRA"):
+        extra, expect = _lora_case(model, tmp_path)
+        names = ["a1" if i in ADAPTED else "tiny" for i in range(len(PROMPTS))]
     args = [
         "--served-model-name", "tiny", "--max-model-len", "96", "--block-size", "4",
         "--kv-cache-memory-bytes", str(4 << 20), "--max-num-batched-tokens", "16", "--enable-prefix-caching",
-        "--data-parallel-size", "2", "--enable-expert-parallel", *MODES[mode],
+        "--data-parallel-size", "2", "--enable-expert-parallel", *MODES[mode], *extra,
     ]  # fmt: skip
     with vllm_server(
         model,
@@ -69,7 +99,7 @@ def test_dp2_ep2_serve_matches_one_process(mode, tiny_dirs, reference, tmp_path)
         {"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "INFO"},
     ) as base:
         with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
-            got = list(pool.map(lambda p: _complete(base, p), PROMPTS))
+            got = list(pool.map(lambda pn: _complete(base, *pn), zip(PROMPTS, names)))
         stats, shard = _rank0(base, "ms_vllm_stats"), _rank0(base, "ms_vllm_shard_info")
     assert got == expect
     log = (tmp_path / "server.log").read_text()
@@ -80,8 +110,43 @@ def test_dp2_ep2_serve_matches_one_process(mode, tiny_dirs, reference, tmp_path)
     assert shard["kv_cache_shape"][2:] == [24]  # this rank's own latent cache (kv_lora_rank 16 + rope 8)
     if mode.endswith("W8A8"):
         assert shard["quantized_cells"] > 0
-    if mode.startswith("compiled"):
+    if mode.startswith("LoRA"):  # multi-step: some steps ran more than one decode iteration
+        assert stats["multi_step_rounds"] > 0
+    if mode != "eager":
         assert stats["eager_calls"] == 0 and stats["compiled_calls"] > 0
         ex = stats["exchange"]
         # tokens went both ways: this rank's to rank 1's experts and rank 1's to this rank's
         assert ex["exchanges"] > 0 and ex["sent_rows"] > 0 and ex["received_rows"] > 0
+
+
+def test_offline_dp2_ep2_one_llm_per_rank_matches_one_process(tiny_dirs, reference):
+    """vLLM's multi-process offline DP route: one `LLM` per DP rank (VLLM_DP_SIZE / VLLM_DP_RANK /
+    the DP master's address in the environment), each with its own prompts, the experts split over
+    the two; the ranks finish at different steps (the one done early runs vLLM's dummy batches)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import _free_port
+
+    script = os.path.join(os.path.dirname(__file__), "tp_generate.py")
+    llm = dict(enable_expert_parallel=True, enforce_eager=False, additional_config={"compile": BUCKETS},
+               max_num_batched_tokens=16, enable_chunked_prefill=True)  # fmt: skip
+    mine = {0: PROMPTS[0::2], 1: PROMPTS[1::2][:2]}  # unequal work: 3 prompts and 2
+    port, procs = _free_port(), []
+    for rank in (0, 1):
+        job = dict(model=str(tiny_dirs["deepseek_v3"]), prompts=mine[rank], follow_up=[0, 12], n=N_NEW, llm=llm)
+        env = dict(os.environ, VLLM_DP_SIZE="2", VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL=str(rank),
+                   VLLM_DP_MASTER_IP="127.0.0.1", VLLM_DP_MASTER_PORT=str(port))  # fmt: skip
+        cmd = [sys.executable, script, json.dumps([job])]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, err[-4000:]
+        results.append(json.loads(out.strip().splitlines()[-1])[0])
+    for rank, result in enumerate(results):
+        assert result["tokens"] == [reference("deepseek_v3", p, N_NEW) for p in mine[rank]]
+        (shard,) = result["shards"]
+        assert (shard["data_parallel_rank"], shard["world_size"]) == (rank, 2)
+        assert result["eager_calls"] == [0]

@@ -219,3 +219,27 @@ def build_draft_batch(batch: StepBatch, states: dict[str, RequestState], sampled
         owners=owners,
         owner_blocks=[list(states[r].block_ids) for r in owners],
     )
+
+
+def stops_after(state: RequestState, token: int, max_model_len: int) -> bool:
+    """Would the scheduler finish the request after this token? (worker-side check for multi-step)."""
+    p = state.sampling_params
+    n_out = len(state.output_token_ids)
+    if p.max_tokens is not None and n_out >= p.max_tokens:
+        return True
+    if state.num_tokens >= max_model_len:
+        return True
+    if n_out < p.min_tokens:
+        return False
+    if token in (p.stop_token_ids or ()):
+        return True
+    return not p.ignore_eos and token in p.all_stop_token_ids
+
+
+def pure_decode(batch: StepBatch) -> bool:
+    """Every request of `batch` decodes one token, no drafts (a batch multi-step may repeat)."""
+    return (
+        all(len(r) == 1 for r in batch.sample_rows)
+        and not any(batch.spec_tokens)
+        and (len(batch.input_ids) == len(batch.req_ids))
+    )

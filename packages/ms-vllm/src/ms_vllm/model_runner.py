@@ -24,28 +24,22 @@ import time
 
 import numpy as np
 
-from .batch import RequestState, StepBatch, build_batch, build_draft_batch, select_requests, slots_for
+from .batch import (
+    RequestState,
+    StepBatch,
+    build_batch,
+    build_draft_batch,
+    pure_decode,
+    select_requests,
+    slots_for,
+    stops_after,
+)
 from .buckets import BucketConfig, plan_step
 from .lockstep import Lockstep, padding_forward
-from .sampler import SamplingRow, logprobs_of, sample_row
+from .sampler import SamplingRow, logprobs_lists, sample_row
 from .structured import apply_grammar_bitmask
 
 logger = logging.getLogger(__name__)
-
-
-def _stops(state: RequestState, token: int, max_model_len: int) -> bool:
-    """Would the scheduler finish the request after this token? (worker-side check for multi-step)."""
-    p = state.sampling_params
-    n_out = len(state.output_token_ids)
-    if p.max_tokens is not None and n_out >= p.max_tokens:
-        return True
-    if state.num_tokens >= max_model_len:
-        return True
-    if n_out < p.min_tokens:
-        return False
-    if token in (p.stop_token_ids or ()):
-        return True
-    return not p.ignore_eos and token in p.all_stop_token_ids
 
 
 class MindSporeModelRunner:
@@ -335,7 +329,7 @@ class MindSporeModelRunner:
         self.stats["steps"] += 1
         batch = build_batch(self.requests, so.num_scheduled_tokens, so.scheduled_spec_decode_tokens, self.block_size)
         structured = getattr(so, "has_structured_output_requests", False)
-        rounds = self.multi_step - 1 if self.multi_step > 1 and self._pure_decode(batch) and not structured else 0
+        rounds = self.multi_step - 1 if self.multi_step > 1 and pure_decode(batch) and not structured else 0
         logits, hidden = self.run_model(batch, need_hidden=self.drafter is not None, rounds=rounds)
         self.pending_step = (batch, logits, hidden, rounds, t)
         if structured:
@@ -365,34 +359,10 @@ class MindSporeModelRunner:
             req_ids=batch.req_ids,
             req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
             sampled_token_ids=sampled,
-            logprobs=self._logprobs(batch, sampled, rows),
+            logprobs=logprobs_lists([self.requests[r].sampling_params.logprobs for r in batch.req_ids], sampled, rows),
         )
-
-    def _logprobs(self, batch: StepBatch, sampled: list[list[int]], rows: list[np.ndarray]):
-        wanted = [self.requests[r].sampling_params.logprobs for r in batch.req_ids]
-        wanted = [w for w in wanted if w is not None]
-        if not wanted:
-            return None
-        from vllm.v1.outputs import LogprobsLists
-
-        k = max(wanted)
-        if k < 0:  # -1: the whole vocabulary
-            k = self.vocab_size
-        flat = [t for toks in sampled for t in toks]
-        if not flat:
-            return None
-        ids, vals, ranks = logprobs_of(np.concatenate(rows), np.asarray(flat, np.int64), k)
-        cu = np.concatenate([[0], np.cumsum([len(t) for t in sampled])]).astype(int).tolist()
-        return LogprobsLists(ids, vals, ranks, cu)
 
     # ------------------------------------------------------------------ multi-step
-    def _pure_decode(self, batch: StepBatch) -> bool:
-        return (
-            all(len(r) == 1 for r in batch.sample_rows)
-            and not any(batch.spec_tokens)
-            and (len(batch.input_ids) == len(batch.req_ids))
-        )
-
     def _more_decode_steps(self, batch: StepBatch, sampled: list[list[int]], rows: list[np.ndarray], rounds: int):
         """Up to `rounds` further decode iterations on the blocks the scheduler reserved ahead (under
         DP + EP each one a lockstep round; the rounds this rank skips, settle() runs empty)."""
@@ -403,7 +373,7 @@ class MindSporeModelRunner:
                 st = self.requests[req_id]
                 pos = st.num_tokens - 1
                 last = st.output_token_ids[-1]
-                if _stops(st, last, self.max_model_len) or pos // self.block_size >= len(st.block_ids):
+                if stops_after(st, last, self.max_model_len) or pos // self.block_size >= len(st.block_ids):
                     continue
                 live.append(req_id)
             if not live:

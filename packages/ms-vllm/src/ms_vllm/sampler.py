@@ -102,3 +102,20 @@ def logprobs_of(logits: np.ndarray, sampled: np.ndarray, k: int) -> tuple[np.nda
     ids = np.concatenate([sampled[:, None], top], 1).astype(np.int32)
     vals = np.take_along_axis(logp, ids.astype(np.int64), 1).astype(np.float32)
     return ids, vals, ranks.astype(np.int32)
+
+
+def logprobs_lists(wanted: list, sampled: list[list[int]], rows: list[np.ndarray]):
+    """vLLM's LogprobsLists for a step (`wanted`: each request's `logprobs` setting, None for none;
+    `rows`: each request's logits rows of its emitted tokens), or None when no request asks."""
+    wanted = [w for w in wanted if w is not None]
+    flat = [t for toks in sampled for t in toks]
+    if not wanted or not flat:
+        return None
+    from vllm.v1.outputs import LogprobsLists
+
+    k = max(wanted)
+    if k < 0:  # -1: the whole vocabulary
+        k = rows[0].shape[-1]
+    ids, vals, ranks = logprobs_of(np.concatenate(rows), np.asarray(flat, np.int64), k)
+    cu = np.concatenate([[0], np.cumsum([len(t) for t in sampled])]).astype(int).tolist()
+    return LogprobsLists(ids, vals, ranks, cu)

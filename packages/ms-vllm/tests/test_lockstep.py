@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from ms_vllm.lockstep import Lockstep
+from ms_vllm.lockstep import Lockstep, OneByOne
 
 
 class ThreadGroup:
@@ -83,6 +83,35 @@ def test_ranks_with_different_rounds_meet_call_by_call():
     # step 1: agree, 1 exchange, then 3 rounds (rank 0 ran 2, both owe the third) of 1 exchange each but
     # the last (empty on both); step 2: agree, 2 exchanges, 1 round of 2 exchanges
     assert logs[0].count("exchange") == 1 + 2 + 2 + 2
+
+
+def _drafting_rank(group: ThreadGroup, rank: int, phases: list[int], log: list[str]) -> None:
+    """Each phase: this rank's own forwards, known one at a time (MTP drafting), then drain."""
+    member = group.member(rank, log)
+
+    def forward():
+        member.all_gather(np.zeros(1, np.int64), kind="exchange")
+
+    pairing = OneByOne(member, dummy_forward=forward)
+    for own in phases:
+        for _ in range(own):
+            with pairing.forward():
+                forward()
+        pairing.drain()
+
+
+def test_forwards_learned_one_at_a_time_pair_up():
+    group = ThreadGroup(2)
+    logs = [[], []]
+    phases = [[2, 0, 1], [0, 3, 1]]
+    threads = [threading.Thread(target=_drafting_rank, args=(group, r, phases[r], logs[r])) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    assert group.mismatches == [] and logs[0] == logs[1]
+    assert logs[0].count("exchange") == 2 + 3 + 1  # per phase, the larger rank's count
 
 
 def test_a_round_nobody_announced_is_an_error():

@@ -139,8 +139,9 @@ def test_tp_features_are_accepted():
 
 
 def test_dp_ep_features_are_accepted():
-    """Under DP attention + EP, LoRA and quantization start (test_dp_ep.py runs them through vllm serve)."""
-    check_vllm_parallel(_vllm_config(_tiny("deepseek_v3"), **DP2, enable_expert_parallel=True, lora_config=object()))
+    """Under DP attention + EP, LoRA, MTP and quantization start (test_dp_ep.py runs them through vllm serve)."""
+    features = dict(lora_config=object(), speculative_config=object(), quantization="ms_w8a8")
+    check_vllm_parallel(_vllm_config(_tiny("deepseek_v3"), **DP2, enable_expert_parallel=True, **features))
 
 
 def test_single_process_and_dense_dp_need_no_plan():
@@ -153,7 +154,6 @@ def test_single_process_and_dense_dp_need_no_plan():
     ("settings", "message"),
     [
         (dict(DP2), "needs enable_expert_parallel=True"),
-        (dict(DP2, enable_expert_parallel=True, speculative_config=object()), "MTP"),
         (dict(world_size=2, data_parallel_size=2, enable_expert_parallel=True), "DP attention runs with TP = 1"),
     ],
 )

@@ -59,6 +59,33 @@ class Lockstep:
                 pass
 
 
+class OneByOne:
+    """Pairs forwards whose number a rank learns only as it runs them (MTP drafting: the parts of the
+    draft batch, the chained depths): before each forward every rank says whether it has one (an
+    all-gather of a flag); a rank with none runs a forward of no request while any other has one,
+    and the phase ends when no rank has one. `group` None: a single engine, nothing to pair."""
+
+    def __init__(self, group, dummy_forward: Callable[[], None]):
+        self.group, self.dummy_forward = group, dummy_forward
+
+    def _any(self, flag: int) -> bool:
+        return bool(self.group.all_gather(np.array([flag], np.int64)).max())
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """Around one forward of this rank's own."""
+        if self.group is not None:
+            self._any(1)
+        yield
+
+    def drain(self) -> None:
+        """End of the phase: the other ranks' remaining forwards, each met by a forward of no request."""
+        if self.group is None:
+            return
+        while self._any(0):
+            self.dummy_forward()
+
+
 def padding_forward(model, kv_caches, scratch_block: int, block_size: int) -> None:
     """An eager forward of one padding token written to the scratch block (no request owns it)."""
     from mindspore import Tensor
@@ -71,4 +98,4 @@ def padding_forward(model, kv_caches, scratch_block: int, block_size: int) -> No
     ).asnumpy()  # fmt: skip
 
 
-__all__ = ["Lockstep", "padding_forward"]
+__all__ = ["Lockstep", "OneByOne", "padding_forward"]

@@ -35,7 +35,7 @@ from .batch import (
     stops_after,
 )
 from .buckets import BucketConfig, plan_step
-from .lockstep import Lockstep, padding_forward
+from .lockstep import Lockstep, OneByOne, padding_forward
 from .sampler import SamplingRow, logprobs_lists, sample_row
 from .structured import apply_grammar_bitmask
 
@@ -60,6 +60,8 @@ class MindSporeModelRunner:
         self.vocab_size = vllm_config.model_config.get_vocab_size()
         self.multi_step = multi_step
         self.drafter = drafter
+        if drafter is not None and self.data_parallel:  # its MTP layer's expert exchanges, paired
+            drafter.pairing = OneByOne(group, lambda: drafter.padding_forward(self.num_blocks, self.block_size))
         self.lora = lora
         self.requests: dict[str, RequestState] = {}
         self.kv_caches: list | None = None
@@ -180,7 +182,7 @@ class MindSporeModelRunner:
         else:  # graphs between the collectives
             steps = CompiledTPSteps(self.model, self.kv_caches, config, self.block_size, self.num_blocks, self.group)
         steps.warm_up(progress)
-        if self.drafter is not None:  # the MTP module's graphs: drafting buckets of the same config
+        if self.drafter is not None and not self.data_parallel:  # the MTP module's graphs: drafting buckets
             drafter = self.drafter.compile(config, self.block_size, self.num_blocks, progress, self.group)
             steps.compile_s.update(drafter)
         self.compiled = steps
@@ -214,6 +216,8 @@ class MindSporeModelRunner:
         with self.lockstep.forwards(0):
             pass
         self.lockstep.settle()
+        if self.drafter is not None:
+            self.drafter.pairing.drain()
 
     def _eager(self, batch: StepBatch):
         from mindspore import Tensor
@@ -354,6 +358,7 @@ class MindSporeModelRunner:
         if self.drafter is not None:
             draft = build_draft_batch(batch, self.requests, sampled)
             self.pending_drafts = self.drafter.propose(draft, hidden, self.block_size)
+            self.drafter.pairing.drain()
         self.stats["step_s"] += time.perf_counter() - t
         return ModelRunnerOutput(
             req_ids=batch.req_ids,

@@ -56,13 +56,6 @@ def check_vllm_parallel(vllm_config) -> None:
         if tp > 1:
             raise ParallelError(f"data_parallel_size={dp} with tensor_parallel_size={tp} is not supported yet")
         return
-    # The MTP module's drafting forwards would have to pair up over the DP ranks (DP + EP) as the
-    # target's do (lockstep.py): refused rather than hang. (LoRA and multi-step run under DP + EP;
-    # under TP, LoRA, MTP, quantization and multi-step all run.)
-    if dp > 1 and vllm_config.speculative_config is not None:
-        raise ParallelError(
-            f"speculative decoding (MTP) with data_parallel_size={dp} (DP attention + EP) is not supported yet"
-        )
     if model is None:
         return
     if dp > 1:

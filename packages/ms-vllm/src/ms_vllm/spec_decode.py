@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from .batch import DraftBatch
+from .lockstep import OneByOne
 
 
 class MTPDrafter:
@@ -44,6 +45,8 @@ class MTPDrafter:
         """Drafts proposed so far (the scheduler counts the accepted ones)."""
         self.calls = {"compiled": 0, "eager": 0}
         """MTP module calls, compiled and eager."""
+        self.pairing = OneByOne(None, lambda: None)
+        """Under DP + EP, the MTP layer's expert exchanges paired over the DP ranks (lockstep.py)."""
 
     def cache_shapes(self, num_blocks: int, block_size: int) -> list:
         return [layer.self_attn.cache_shapes(num_blocks, block_size) for layer in self.layers]
@@ -75,6 +78,17 @@ class MTPDrafter:
         x = layer.combine(m.embed_tokens(Tensor(ids.astype(np.int32))), hidden)
         return layer.forward_paged(x, cos, sin, self.caches[idx], meta)
 
+    def padding_forward(self, scratch_block: int, block_size: int) -> None:
+        """An eager MTP forward of one padding token written to the scratch block (no request owns
+        it): this rank's part of another DP rank's drafting exchange."""
+        from mindspore import ops
+
+        zero, one = np.zeros(1, np.int32), np.ones(1, np.int32)
+        hidden = ops.zeros((1, int(self.model.config.hidden_size)), self.model.model.embed_tokens.weight.dtype)
+        slot = np.array([scratch_block * block_size], np.int32)
+        self._run(0, zero, zero, hidden, slot, np.array([[scratch_block]], np.int32), one, np.array([0, 1], np.int32),
+                  block_size).asnumpy()  # fmt: skip
+
     def _draft(self, depth: int, x_rows) -> np.ndarray:
         layer = self.layers[depth % len(self.layers)]
         return self.model.compute_logits(layer.shared_head(x_rows)).asnumpy().argmax(-1)
@@ -102,17 +116,8 @@ class MTPDrafter:
             whole = len(flat) == hidden.shape[0] and np.array_equal(flat, np.arange(len(flat)))
             part_hidden = hidden if whole else hidden[Tensor(flat.astype(np.int32))]
             args = (ids[flat], positions[flat], part_hidden, slots[flat], tables[reqs], seq_lens[reqs], sub_starts)
-            if part.bucket is None and self.compiled is not None and self.compiled.segmented:
-                self.calls["eager"] += 1  # (at its own shape: TP cells defer their collectives)
-                toks, x_rows = self.compiled.run_exact(depth % len(self.layers), *args, local)
-            elif part.bucket is None:
-                self.calls["eager"] += 1
-                x = self._run(depth, *args, block_size)
-                x_rows = x[Tensor(local)] if len(local) else None
-                toks = self._draft(depth, x_rows) if len(local) else np.zeros(0, np.int64)
-            else:
-                self.calls["compiled"] += 1
-                toks, x_rows = self.compiled.run(depth % len(self.layers), part.bucket, *args, local)
+            with self.pairing.forward():
+                toks, x_rows = self._part(depth, part, args, local, block_size)
             owners = [int(reqs[j]) for j in drafting]
             tokens.update({i: int(t) for i, t in zip(owners, toks)})
             if owners:
@@ -125,6 +130,22 @@ class MTPDrafter:
             if owners != order:
                 hidden_out = ops.gather(hidden_out, Tensor(np.argsort(owners).astype(np.int32)), 0)
         return [tokens[i] for i in order], hidden_out
+
+    def _part(self, depth: int, part, args: tuple, local: np.ndarray, block_size: int):
+        """(draft tokens, hidden states at `local` rows) of one part: its bucket's graph, else eagerly
+        (under TP at its own shape: the TP cells defer their collectives)."""
+        from mindspore import Tensor
+
+        module = depth % len(self.layers)
+        if part.bucket is not None:
+            self.calls["compiled"] += 1
+            return self.compiled.run(module, part.bucket, *args, local)
+        self.calls["eager"] += 1
+        if self.compiled is not None and self.compiled.segmented:
+            return self.compiled.run_exact(module, *args, local)
+        x = self._run(depth, *args, block_size)
+        x_rows = x[Tensor(local)] if len(local) else None
+        return (self._draft(depth, x_rows) if len(local) else np.zeros(0, np.int64)), x_rows
 
     def propose(self, draft: DraftBatch, hidden, block_size: int):
         """(req_ids, drafts) for the requests that got tokens this step, from the batch builder's

@@ -105,14 +105,23 @@ class SegmentedMTP:
 class CompiledDrafter:
     """The MTP modules' graphs for every drafting bucket of a BucketConfig (under TP: SegmentedMTP)."""
 
-    def __init__(self, model, layers, caches, config: BucketConfig, block_size: int, scratch_block: int, group=None):
+    def __init__(
+        self, model, layers, caches, config: BucketConfig, block_size: int, scratch_block: int, group=None,
+        exchanged: bool = False,
+    ):  # fmt: skip
         self.config = config
         self.block_size = block_size
         self.scratch_block = scratch_block
         self.segmented = group is not None
-        """True under tensor parallel: a part that fits no bucket must run `run_exact`, not the eager path."""
+        """True under TP or DP + EP: a part that fits no bucket runs `run_exact`, not the eager path."""
+        self.exchanged = exchanged
+        """True under DP + EP: the modules are cut at their experts' exchange (compiled_mtp_ep.py)."""
         if group is None:
             self.graphs = [MTPGraph(model, layer, cache) for layer, cache in zip(layers, caches)]
+        elif exchanged:
+            from .compiled_mtp_ep import ExchangedMTP
+
+            self.graphs = [ExchangedMTP(model, layer, cache, group) for layer, cache in zip(layers, caches)]
         else:
             self.graphs = [SegmentedMTP(model, layer, cache, group) for layer, cache in zip(layers, caches)]
         self.hidden_size = int(model.config.hidden_size)
@@ -129,7 +138,8 @@ class CompiledDrafter:
         pad = bucket.tokens - t
         if pad:  # padding tokens take hidden zeros (they write only the scratch block)
             hidden = ops.cat((hidden, ops.zeros((pad, self.hidden_size), hidden.dtype)), 0)
-        tokens, x = self.graphs[module](ids_t, pos_t, hidden, rows_t, *meta)
+        extra = {"real": t} if self.exchanged else {}  # (padding rows are not dispatched)
+        tokens, x = self.graphs[module](ids_t, pos_t, hidden, rows_t, *meta, **extra)
         tokens = tokens.asnumpy()  # (computed last: read first, docs/mindspore-cpu.md §15)
         return tokens[: len(rows)], x if len(rows) == x.shape[0] else x[: len(rows)]
 

@@ -182,8 +182,10 @@ class MindSporeModelRunner:
         else:  # graphs between the collectives
             steps = CompiledTPSteps(self.model, self.kv_caches, config, self.block_size, self.num_blocks, self.group)
         steps.warm_up(progress)
-        if self.drafter is not None and not self.data_parallel:  # the MTP module's graphs: drafting buckets
-            drafter = self.drafter.compile(config, self.block_size, self.num_blocks, progress, self.group)
+        if self.drafter is not None:  # the MTP module's graphs: drafting buckets of the same config
+            drafter = self.drafter.compile(
+                config, self.block_size, self.num_blocks, progress, self.group, exchanged=self.data_parallel
+            )
             steps.compile_s.update(drafter)
         self.compiled = steps
         return dict(steps.compile_s)

@@ -55,13 +55,16 @@ class MTPDrafter:
         self.caches = self.model.allocate_mtp_kv_caches(num_blocks, block_size, flat=flat)
 
     def compile(
-        self, config, block_size: int, scratch_block: int, progress: bool = True, group=None
+        self, config, block_size: int, scratch_block: int, progress: bool = True, group=None, exchanged: bool = False
     ) -> dict[str, float]:
         """Compile the modules' drafting buckets (needs the flat caches) -> seconds per bucket; with a
-        tensor-parallel `group`, as segments between its collectives."""
+        tensor-parallel `group`, as segments between its collectives; `exchanged` (DP + EP), as
+        segments around the experts' exchange."""
         from .compiled_mtp import CompiledDrafter
 
-        self.compiled = CompiledDrafter(self.model, self.layers, self.caches, config, block_size, scratch_block, group)
+        self.compiled = CompiledDrafter(
+            self.model, self.layers, self.caches, config, block_size, scratch_block, group, exchanged
+        )
         return self.compiled.warm_up(progress)
 
     def _run(self, depth: int, ids, positions, hidden, slots, tables, seq_lens, starts, block_size):

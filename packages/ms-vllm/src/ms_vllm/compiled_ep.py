@@ -86,6 +86,17 @@ class ExpertSegment(nn.Cell):
         return super().__call__(Tensor.from_numpy(rows), Tensor.from_numpy(mix)).asnumpy()
 
 
+def routed_output(group, moe, experts: ExpertSegment, indices, weights, h, real: int) -> tuple[Tensor, dict]:
+    """The routed experts' output [M, H] of a segment's (expert ids, weights, normed h): the first
+    `real` rows exchanged with the experts' ranks, the padding rows zero (they never leave the rank);
+    and the exchange's stats (ms_models.parallel.dispatch.exchange)."""
+    plan = route(indices.asnumpy()[:real], weights.asnumpy()[:real], group.size, moe.per_rank)
+    out, stats = exchange(group, h.asnumpy()[:real], plan, experts)
+    full = np.zeros((h.shape[0], h.shape[1]), np.float32)
+    full[:real] = out
+    return Tensor.from_numpy(full), stats
+
+
 class CompiledEPSteps(SegmentedSteps):
     """One DP rank's compiled segments for every bucket of a BucketConfig (same interface as CompiledSteps)."""
 
@@ -109,16 +120,13 @@ class CompiledEPSteps(SegmentedSteps):
 
     def _routed(self, layer: int, indices, weights, h, real: int):
         moe, graph = self.experts[layer]
-        plan = route(indices.asnumpy()[:real], weights.asnumpy()[:real], self.group.size, moe.per_rank)
-        out, stats = exchange(self.group, h.asnumpy()[:real], plan, graph)
+        routed, stats = routed_output(self.group, moe, graph, indices, weights, h, real)
         s = self.exchange_stats
         s["exchanges"] += 1
         s["sent_rows"] += stats["sent_rows"]
         s["received_rows"] += stats["received_rows"]
         s["padded_rows"] += stats["cap"] * self.group.size
-        full = np.zeros((h.shape[0], self.hidden), np.float32)
-        full[:real] = out
-        return Tensor.from_numpy(full)
+        return routed
 
     def _forward(self, ids, positions, rows, meta, real: int):
         """The segments and exchanges of one padded (or exact) flat batch -> (logits [R, V], hidden)."""

@@ -17,13 +17,11 @@ Each call holds exactly one exchange, as the eager padding forward of a rank wit
 
 from __future__ import annotations
 
-import numpy as np
-from mindspore import Tensor, int32, ops
+from mindspore import int32, ops
 
 from ms_models.parallel import DispatchMoE
-from ms_models.parallel.dispatch import exchange, route
 
-from .compiled_ep import DenseLayerSegment, ExpertSegment, MoELayerSegment
+from .compiled_ep import DenseLayerSegment, ExpertSegment, MoELayerSegment, routed_output
 from .compiled_mtp import CombineSegment, DraftHeadSegment
 from .compiled_tp import EmbedSegment
 
@@ -53,11 +51,7 @@ class ExchangedMTP:
         else:
             indices, weights, h, x = self.layer(x, zero, positions, *meta)
             real = h.shape[0] if real is None else real
-            plan = route(indices.asnumpy()[:real], weights.asnumpy()[:real], self.group.size, self.moe.per_rank)
-            out, _ = exchange(self.group, h.asnumpy()[:real], plan, self.experts)
-            full = np.zeros(h.shape, np.float32)
-            full[:real] = out
-            delta = Tensor.from_numpy(full)
+            delta, _ = routed_output(self.group, self.moe, self.experts, indices, weights, h, real)
         logits, x = self.head(x, delta, logits_rows)
         return self.argmax(logits), x
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import mindspore as ms
 import numpy as np
+from mindspore import ops
 
 from ..errors import ScheduleError
 from .deferred_dw import DeferredLinearGrads
@@ -122,6 +123,40 @@ class _PassesCell(ms.nn.Cell):
         dx, pairs = self.backward_input(saved, g)
         return dx, self.backward_weight(pairs)
 
+    def backward_weight_flat(self, pairs):
+        """:meth:`backward_weight` as one flat tensor, the gradients end to end (see ``_flat``)."""
+        return _flat(self.backward_weight(pairs))
+
+    def backward_full_flat(self, saved, g):
+        """:meth:`backward_full` with the weight gradients as one flat tensor."""
+        dx, pairs = self.backward_input(saved, g)
+        return dx, self.backward_weight_flat(pairs)
+
+
+def one_dtype(weights: Sequence[ms.Parameter]) -> bool:
+    """The weights share one dtype, so their gradients can be joined in one flat tensor."""
+    return len({p.dtype for p in weights}) == 1
+
+
+def split_flat(flat: np.ndarray, weights: Sequence[ms.Parameter], where: str) -> list[np.ndarray]:
+    """Views of ``flat`` shaped as each weight in turn; an error naming both sizes if they differ."""
+    sizes = [int(np.prod(p.shape)) for p in weights]
+    if flat.size != sum(sizes):
+        raise ScheduleError(f"{where}: the weight gradients hold {flat.size} values, the weights {sum(sizes)}")
+    out, offset = [], 0
+    for p, size in zip(weights, sizes):
+        out.append(flat[offset : offset + size].reshape(tuple(p.shape)))
+        offset += size
+    return out
+
+
+def _flat(tensors):
+    """The tensors raveled and joined, as one graph output. Measured on CPU (MindSpore 2.10, one
+    core, a stage of two d=256 Llama layers): W returning its 14 weight gradients per layer as
+    separate outputs took 16-18 ms, the same GEMMs returning one joined tensor 9 ms (the joining
+    copy included), and W's GEMMs in numpy 14 ms."""
+    return ops.cat([t.reshape(-1) for t in tensors])
+
 
 def _wait(first_output: Any) -> Any:
     """Wait for a compiled call to finish by reading its first output.
@@ -185,7 +220,13 @@ class ExplicitPasses:
         if missing:
             raise ScheduleError(f"stage {stage.index}: the explicit passes give no gradient for {missing}")
         self._fns = fns  # compiled once per blocks and flags, shared by the stages built on them
-        self.acc: list[np.ndarray] | None = None  # one accumulated gradient per entry of self.weights
+        #: W and BW return the weight gradients as one flat tensor (every weight of one dtype)
+        self.flat = one_dtype(self.weights)
+        self._no_grads()
+
+    def _no_grads(self) -> None:
+        self._flat_acc: np.ndarray | None = None  # every accumulated gradient, end to end
+        self.acc: list[np.ndarray] | None = None  # one per entry of self.weights: views into _flat_acc
 
     def _fn(self, what: str) -> Any:
         if what not in self._fns:
@@ -198,10 +239,28 @@ class ExplicitPasses:
     def _add(self, grads: Sequence[Any]) -> None:
         grads = [g if isinstance(g, np.ndarray) else g.asnumpy() for g in grads]
         if self.acc is None:
-            self.acc = [np.array(g, np.float32) for g in grads]
+            self._start(grads)
         else:
             for a, g in zip(self.acc, grads):
                 a += g
+
+    def _add_flat(self, flat: Any) -> None:
+        """Add W's or BW's joined gradients (one flat tensor in the order of ``self.weights``)."""
+        flat = flat.asnumpy()
+        if self._flat_acc is None:
+            self._start([flat])
+        elif flat.size != self._flat_acc.size:
+            raise ScheduleError(
+                f"stage {self.stage.index}: the weight gradients hold {flat.size} values, the weights "
+                f"{self._flat_acc.size}"
+            )
+        else:
+            self._flat_acc += flat
+
+    def _start(self, grads: Sequence[np.ndarray]) -> None:
+        """The accumulators from the first gradients: one float32 array, a view per weight."""
+        self._flat_acc = np.concatenate([np.ravel(g) for g in grads]).astype(np.float32, copy=False)
+        self.acc = split_flat(self._flat_acc, self.weights, f"stage {self.stage.index}")
 
     def _values(self, saved) -> Any:
         values, saved.values = saved.values, None
@@ -222,15 +281,17 @@ class ExplicitPasses:
         if self.host_w:
             k = self.cell.host_kernels
             self._add(self.cell.backward_weight(k.to_host(saved.pairs), k))
+        elif self.flat:
+            self._add_flat(self._fn("backward_weight_flat")(saved.pairs))
         else:
             self._add(self._fn("backward_weight")(saved.pairs))
         saved.pairs = None
 
     def backward_full(self, saved, grad_out) -> Any:
-        dx, grads = self._fn("backward_full")(self._values(saved), grad_out)
+        dx, grads = self._fn("backward_full_flat" if self.flat else "backward_full")(self._values(saved), grad_out)
         if self.stage.jit:
             _wait(dx)  # before reading the gradients (see _wait)
-        self._add(grads)
+        self._add_flat(grads) if self.flat else self._add(grads)
         return dx
 
     def grads(self) -> dict[int, np.ndarray]:
@@ -241,7 +302,7 @@ class ExplicitPasses:
 
     def set_grads(self, grads: dict[int, np.ndarray]) -> None:
         if not grads:
-            self.acc = None
+            self._no_grads()
             return
         seen: set[int] = set()
         acc = []
@@ -249,7 +310,7 @@ class ExplicitPasses:
             g = grads.get(id(p)) if id(p) not in seen else None
             seen.add(id(p))
             acc.append(np.array(g, np.float32) if g is not None else np.zeros(p.shape, np.float32))
-        self.acc = acc
+        self._start(acc)
 
 
 class _NumpyGrads:

@@ -28,7 +28,7 @@ import mindspore as ms
 import numpy as np
 
 from ..errors import ScheduleError
-from .backward import ExplicitPasses, _call, _mutable_args, _PassesCell, _wait
+from .backward import ExplicitPasses, _call, _mutable_args, _PassesCell, _wait, one_dtype, split_flat
 
 
 def own_passes(block: Any) -> bool:
@@ -46,11 +46,10 @@ class GraphSegment:
             raise ScheduleError(f"blocks {missing} have neither explicit_passes() nor pipeline_passes()")
         self.cell = _PassesCell([b.explicit_passes() for b in blocks], last, [False] * len(blocks))
         self.jit = jit
-        if host_w is None:
-            host_w = self.cell.host_kernels is not None and ms.get_context("device_target") == "CPU"
         if host_w and self.cell.host_kernels is None:
             raise ScheduleError("host_w=True needs host_kernels on every block's explicit passes")
         self.host_w = bool(host_w)
+        self.flat = one_dtype(self.weights())  # W and BW return the gradients joined (see backward._flat)
         self._fns: dict[str, Any] = {}
 
     def _fn(self, what: str) -> Any:
@@ -73,14 +72,18 @@ class GraphSegment:
         if self.host_w:
             k = self.cell.host_kernels
             grads = self.cell.backward_weight(k.to_host(pairs), k)
+        elif self.flat:
+            return split_flat(self._fn("backward_weight_flat")(pairs).asnumpy(), self.weights(), "a graph segment")
         else:
             grads = self._fn("backward_weight")(pairs)
         return [g if isinstance(g, np.ndarray) else g.asnumpy() for g in grads]
 
     def backward_full(self, kept: Any, g: Any) -> tuple[Any, list[np.ndarray]]:
-        dx, grads = self._fn("backward_full")(kept, g)
+        dx, grads = self._fn("backward_full_flat" if self.flat else "backward_full")(kept, g)
         if self.jit:
             _wait(dx)
+        if self.flat:
+            return dx, split_flat(grads.asnumpy(), self.weights(), "a graph segment")
         return dx, [x.asnumpy() for x in grads]
 
 
@@ -116,7 +119,7 @@ class ChainedPasses(ExplicitPasses):
         missing = [p.name for i, p in want.items() if i not in have]
         if missing:
             raise ScheduleError(f"stage {stage.index}: the blocks' passes give no gradient for {missing}")
-        self.acc = None
+        self._no_grads()
 
     def forward(self, saved) -> Any:
         return drain(self.forward_steps(saved))

@@ -97,7 +97,7 @@ class PipelineRuntime:
     and output gradient in B and multiplies them in W (PyNative), "recompute" runs ``ms.grad``
     twice; "auto" takes "explicit" under ``jit`` where the blocks have explicit passes. ``recompute[s]`` (True or
     one flag per block of stage s) makes those blocks keep only their input from F to B.
-    ``host_w`` runs W's GEMMs in numpy on the kept pairs (see :class:`Stage`; None: on CPU)."""
+    ``host_w`` runs W's GEMMs in numpy on the kept pairs (see :class:`Stage`; None: off)."""
 
     def __init__(
         self,

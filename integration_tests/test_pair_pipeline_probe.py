@@ -114,3 +114,94 @@ def test_probe_finds_no_divergence_then_names_the_perturbed_module(run_ranks, tm
     assert before and {m.result for m in before} == {"pass"}
     flagged = [m for m in after if m.result != "pass"]
     assert flagged and all("inherited" in m.reason for m in flagged), [(m.name, m.result, m.reason) for m in after]
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole pipelined step dumped: forward and backward, every pass named (PipelineRuntime(probe=))
+
+MICRO_PERTURBED = "model.layers.1.mlp.shared_experts.down_proj.weight"  # layer 1: stage 1, rank 1 under ZBV
+
+
+def _full_debugger(path: Path):
+    from ms_probe import PrecisionDebugger
+
+    return PrecisionDebugger(dump_path=str(path), task="tensor", level="L0", list=MODULES)
+
+
+def _pipelined_dump(group, root: str, perturb: bool) -> str:
+    """One ZeroBubbleV step dumped by the runtime's probe; dw="recompute": B and W each re-run
+    the stage's forward inside ``ms.grad`` (the replays the probe must leave out)."""
+    net = _tiny.model()
+    if perturb and _tiny.owner_rank(MICRO_PERTURBED) == group.rank:
+        param = dict(net.parameters_and_names())[MICRO_PERTURBED]
+        param.set_data(param * 1.01)
+    debugger = _full_debugger(Path(root))
+    runtime = _tiny.pipeline_runtime(group, net, dw="recompute", probe=debugger)
+    debugger.start(net)
+    runtime.step(*_tiny.data(net.config.vocab_size))
+    folder = debugger.stop() or str(Path(root) / "step0" / f"rank{group.rank}")
+    debugger.close()
+    return folder
+
+
+def _pipelined_rank(group, root: str) -> tuple[str, str]:
+    root = Path(root)
+    return _pipelined_dump(group, str(root / "clean"), False), _pipelined_dump(group, str(root / "bad"), True)
+
+
+def _microbatch_golden(path: Path) -> Path:
+    """The single-process step as a loop over the microbatches, each one's forward and backward
+    (its loss scaled by 1/M, as the pipeline's), so that module call k is microbatch k."""
+    import mindspore as ms
+    from mindspore import ops
+
+    net = _tiny.model()
+    inputs, labels = _tiny.data(net.config.vocab_size)
+    params = net.trainable_params()
+    debugger = _full_debugger(path)
+
+    def loss_of(ids, y):
+        logits = net(ids)
+        return ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)) / len(inputs)
+
+    grad_fn = ms.value_and_grad(loss_of, None, params)
+    debugger.start(net)
+    for ids, y in zip(inputs, labels):
+        grad_fn(ids, y)[0].asnumpy()
+    debugger.stop()
+    debugger.close()
+    return path
+
+
+def test_the_pipelined_step_itself_compares_module_by_module(run_ranks, tmp_path):
+    """ms-probe dumps the ZeroBubbleV step itself (B and W re-running the forward, both ranks), the
+    ranks' dumps merge into one, and it compares with the single-process step's: every forward,
+    backward and parameter gradient item passes; a 1 % scaled weight of stage 1 is named as the
+    first divergence with its stage, microbatch and pass."""
+    from ms_probe import compare_dirs
+
+    golden = _microbatch_golden(tmp_path / "golden")
+    folders = run_ranks(_pipelined_rank, nprocs=2, timeout=500, args=(str(tmp_path),), env={"OMP_NUM_THREADS": "1"})
+    assert [Path(f[0]).name for f in folders] == ["rank0", "rank1"]
+
+    clean = compare_dirs(str(tmp_path / "clean"), str(golden), merge_target_ranks=True)
+    summary = clean.summary()
+    assert summary["first_divergence"] is None, summary
+    (rank,) = clean.ranks
+    rows = {m.name: m for m in rank.modules}
+    kinds = {name.rsplit(".", 2)[-2] if "parameters_grad" not in name else "parameters_grad" for name in rows}
+    assert kinds == {"forward", "backward", "parameters_grad"}, kinds
+    assert summary["target_only"] == summary["golden_only"] == 0, summary
+    assert {m.result for m in rank.modules} == {"pass"}, [(m.name, m.result, m.reason) for m in rank.modules]
+    # every microbatch of every decoder layer, forward and backward
+    for layer in range(_tiny.LAYERS):
+        for k in range(_tiny.M):
+            for direction in ("forward", "backward"):
+                prefix, suffix = f"Cell.model.layers.{layer}.", f".{direction}.{k}"
+                assert any(n.startswith(prefix) and n.endswith(suffix) for n in rows), (prefix, suffix)
+
+    bad = compare_dirs(str(tmp_path / "bad"), str(golden), merge_target_ranks=True).summary()
+    first = bad["first_divergence"]
+    assert first is not None and first.startswith("Cell.model.layers.1.mlp.shared_experts.down_proj."), bad
+    assert first.endswith(".forward.0"), first
+    assert bad["first_divergence_where"] == {"stage": 1, "microbatch": 0, "pass": "F"}, bad

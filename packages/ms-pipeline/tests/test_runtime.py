@@ -146,3 +146,9 @@ def test_every_schedule_family_matches_single_process(run_ranks):
             assert_close(rank_loss, loss, RTOL, f"{name} loss")
             for key, g in rank_grads.items():
                 assert_close(g, grads[key], RTOL, f"{name} grad {key}")
+
+
+def test_a_probe_without_pipeline_pass_is_refused_by_name():
+    schedule = mp.build("zbv", 2, 4)
+    with pytest.raises(mp.ScheduleError, match="probe=object has no pipeline_pass"):
+        mp.runtime.PipelineRuntime(schedule, {}, None, activation_shape=(MB, SEQ, D), probe=object())

@@ -69,7 +69,12 @@ def _damage_line(d: dict) -> str:
 
 def cmd_compare(args) -> int:
     mapping, how = _choose_mapping(args)
-    run = compare_dirs(args.target, args.golden, mapping, steps=args.step, ranks=args.rank)
+    if args.pipeline and args.rank:
+        raise ProbeError("compare: --pipeline merges every rank of the target; it takes no --rank")
+    if args.pipeline:
+        run = compare_dirs(args.target, args.golden, mapping, steps=args.step, merge_target_ranks=True)
+    else:
+        run = compare_dirs(args.target, args.golden, mapping, steps=args.step, ranks=args.rank)
     files = write_results(run, args.out, html=not args.no_html)
     summary = {**run.summary(), "alignment": how, "files": files}
     for d in summary["damaged"]:
@@ -87,6 +92,11 @@ def cmd_compare(args) -> int:
             print(
                 f"  first divergence: {rc.first_divergence or 'none'}"
                 + (f" ({rc.first_divergence_reason})" if rc.first_divergence else "")
+                + (
+                    " in stage {stage}, microbatch {microbatch}, pass {pass}".format(**rc.first_where)
+                    if rc.first_where
+                    else ""
+                )
             )
             for a in rc.anomaly_list():
                 print(f"  first nan/inf: {a['side']} {a['item']} {a['key']} ({a['what']})")
@@ -146,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--step", type=int, nargs="*", help="only these steps")
     c.add_argument("--rank", type=int, nargs="*", help="only these ranks")
     c.add_argument("--no-html", action="store_true", help="skip report.html")
+    c.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="the target is a pipelined step: merge its ranks' dumps of each step into one and compare it "
+        "with the golden's single rank (dumps written with PrecisionDebugger.pipeline_pass)",
+    )
     c.add_argument(
         "--fail-on-divergence",
         action="store_true",

@@ -85,6 +85,8 @@ class RankCompare:
     """{"target": [...], "golden": [...]}: why a side is damaged or unverifiable (empty when intact)."""
     anomalies: dict[str, Anomaly | None] = field(default_factory=dict)
     """{"target": first NaN/Inf or None, "golden": ...}."""
+    first_where: dict[str, Any] | None = None
+    """The first divergence's pipeline pass, {stage, microbatch, pass}, in a pipelined step's dump."""
 
     def damaged(self) -> list[dict[str, Any]]:
         """[{side, folder, reasons}] for each damaged side."""
@@ -116,6 +118,7 @@ class RankCompare:
             "row_results": row_counts,
             "first_divergence": self.first_divergence,
             "first_divergence_reason": self.first_divergence_reason,
+            "first_divergence_where": self.first_where,
             "problems": list(self.problems),
             "damaged": self.damaged(),
             "anomalies": self.anomaly_list(),
@@ -261,6 +264,7 @@ def compare_rank(
         str(golden.folder),
         {"target": list(target.damage), "golden": list(golden.damage)},
         {side: first_anomaly(side, dump, seen[side]) for side, dump in (("target", target), ("golden", golden))},
+        target.items[first].where if first in target.items else None,
     )
 
 
@@ -330,6 +334,7 @@ class CompareRun:
             "first_divergence_rank": first.rank if first else None,
             "first_divergence_step": first.step if first else None,
             "first_divergence_reason": first.first_divergence_reason if first else "",
+            "first_divergence_where": first.first_where if first else None,
             "aligned_items": sum(r.summary()["aligned_items"] for r in self.ranks),
             "target_only": sum(r.summary()["target_only"] for r in self.ranks),
             "golden_only": sum(r.summary()["golden_only"] for r in self.ranks),
@@ -348,8 +353,13 @@ def compare_dirs(
     thresholds: Thresholds | None = None,
     steps: list[int] | None = None,
     ranks: list[int] | None = None,
+    merge_target_ranks: bool = False,
 ) -> CompareRun:
-    """Compare every (step, rank) present on both sides; mismatches are reported, not fatal."""
+    """Compare every (step, rank) present on both sides; mismatches are reported, not fatal.
+    ``merge_target_ranks``: the target is a pipelined step, its ranks' dumps of each step merged
+    into one (:mod:`.merge`) and compared with the golden's one rank of that step."""
+    if merge_target_ranks:
+        return _compare_merged(target_dir, golden_dir, mapping, thresholds, steps)
     t_dirs, g_dirs = find_rank_dirs(target_dir), find_rank_dirs(golden_dir)
     problems: list[str] = []
 
@@ -381,4 +391,28 @@ def compare_dirs(
         results.append(compare_rank(td, gd, mapping, thresholds))
     for p in problems:
         log.warning("ms-probe compare: %s", p)
+    return CompareRun(results, problems)
+
+
+def _compare_merged(target_dir, golden_dir, mapping, thresholds, steps) -> CompareRun:
+    """compare_dirs of a pipelined target: per step, its ranks merged against the golden's rank."""
+    from .merge import merge_ranks
+
+    t_dirs, g_dirs = find_rank_dirs(target_dir), find_rank_dirs(golden_dir)
+    by_step: dict[int | None, list] = {}
+    for (step, _rank), folder in sorted(t_dirs.items(), key=str):
+        if not steps or step in steps:
+            by_step.setdefault(step, []).append(folder)
+    results, problems = [], []
+    for step, folders in by_step.items():
+        golden = [f for (s, _r), f in g_dirs.items() if s == step]
+        if len(golden) != 1:
+            raise ProbeError(
+                f"step {step}: the golden dump {golden_dir!r} has {len(golden)} rank folders for it; merging the "
+                "target's ranks compares them with exactly one"
+            )
+        merged = merge_ranks([load_rank(f) for f in folders])
+        results.append(compare_rank(merged, load_rank(golden[0]), mapping, thresholds))
+    if not results:
+        raise ProbeError(f"no step of {target_dir!r} to compare (steps {steps})")
     return CompareRun(results, problems)

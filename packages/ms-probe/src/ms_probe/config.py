@@ -23,7 +23,7 @@ TASKS = ("statistics", "tensor", "structure")
 LEVELS = ("L0", "L1", "mix")
 DATA_MODES = ("all", "forward", "backward", "input", "output")
 SUMMARY_MODES = ("statistics", "md5")
-JIT_MODES = ("boundary", "pynative")
+JIT_MODES = ("boundary", "graph", "pynative")
 _IGNORED_KEYS = ("extra_info", "async_dump", "precision", "is_deterministic", "enable_dataloader", "acl_config")
 
 
@@ -88,7 +88,9 @@ class DumpConfig:
     jit: str = "pynative"
     """MindSpore only. "pynative": dumped steps run jit functions eagerly (MS_JIT=0, PyNative context)
     so that every Cell inside them is dumped; "boundary": jit code stays compiled and Cells with a jit
-    construct are dumped at their boundary only (a whole step under jit cannot be dumped this way)."""
+    construct are dumped at their boundary only (a whole step under jit cannot be dumped this way);
+    "graph": the step stays compiled, with identity probes compiled into it on every Cell (compile it
+    between start() and stop(), e.g. with PrecisionDebugger.jit(step))."""
 
     def __post_init__(self) -> None:
         if not self.dump_path or not isinstance(self.dump_path, (str, os.PathLike)):

@@ -42,6 +42,10 @@ def detect_framework(model: Any) -> str:
     raise ProbeError(f"start(model): {type(model).__name__} is neither a mindspore.nn.Cell nor a torch.nn.Module")
 
 
+PIPELINE_PASSES = ("F", "B", "W", "BW")
+"""The passes of a pipelined step (ms-pipeline's action kinds)."""
+
+
 class PrecisionDebugger:
     """Dump module (and optionally API) inputs, outputs and gradients of a training loop."""
 
@@ -128,6 +132,45 @@ class PrecisionDebugger:
         finally:
             self.stop()
             self.step()
+
+    @contextlib.contextmanager
+    def pipeline_pass(self, stage: int, microbatch: int, kind: str) -> Iterator[None]:
+        """Mark what is recorded inside as one pass of a pipelined step: ``kind`` "F", "B", "W" or
+        "BW" of ``microbatch`` on ``stage`` (ms-pipeline's PipelineRuntime(probe=debugger) calls
+        it around each of its computations). Each item gets its stage, microbatch and pass in the
+        rank's pipeline.json; forwards run inside B, W or BW (re-run for gradients) are not
+        recorded, nor module gradients inside W that its B already recorded (W differentiates again
+        for the weights only).
+        A stage runs its microbatches' F and B in order, so a module's call index is the
+        microbatch, as in a single-process step looping over the same microbatches."""
+        if kind not in PIPELINE_PASSES:
+            raise ProbeError(f"pipeline_pass: kind {kind!r} is not one of {PIPELINE_PASSES}")
+        for what, value in (("stage", stage), ("microbatch", microbatch)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ProbeError(f"pipeline_pass: {what} must be an int >= 0, got {value!r}")
+        rec = self._recorder
+        if rec is None:
+            yield
+            return
+        outer, rec.where = rec.where, {"stage": stage, "microbatch": microbatch, "pass": kind}
+        try:
+            yield
+        finally:
+            rec.where = outer
+
+    def jit(self, fn: Any) -> Any:
+        """A fresh ``mindspore.jit`` of ``fn`` (a function, or one already wrapped by ``mindspore.jit``).
+
+        With ``jit="graph"``, call it between ``start()`` and ``stop()``: it compiles at its first
+        call, with the probes of the dumped step inside (a graph compiled before ``start()`` has
+        none; MindSpore keeps each compiled graph as it was built)."""
+        import mindspore as ms
+
+        while getattr(fn, "__wrapped_by_jit__", False) and hasattr(fn, "__wrapped__"):
+            fn = fn.__wrapped__
+        if not callable(fn):
+            raise ProbeError(f"jit(fn): {fn!r} is not callable")
+        return ms.jit(fn)
 
     def close(self) -> None:
         """Remove every hook and restore wrapped APIs."""

@@ -16,6 +16,7 @@ compile time only, so they record nothing. Hence:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -23,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from .errors import ProbeError
 from .recorder import Recorder, call_stack
 
 log = logging.getLogger("ms_probe")
@@ -55,15 +57,17 @@ class MindSporeAdapter:
         self._dtype = ms.dtype.Type
 
     def is_tensor(self, x: Any) -> bool:
-        return isinstance(x, self._tensor)
+        return isinstance(x, (self._tensor, np.ndarray))  # numpy: the values a compiled step's probes saw
 
     def to_numpy(self, x: Any) -> np.ndarray:
-        a = x.asnumpy()
+        a = x if isinstance(x, np.ndarray) else x.asnumpy()
         if a.dtype.kind == "V" or a.dtype.name == "bfloat16":  # ml_dtypes bfloat16: numpy cannot reduce it
             a = a.astype(np.float32)
         return a
 
     def dtype_name(self, x: Any) -> str:
+        if isinstance(x, np.ndarray):
+            return _mindspore_dtype_name(x.dtype.str)
         return str(x.dtype)
 
     def requires_grad(self, x: Any) -> bool | None:
@@ -73,6 +77,14 @@ class MindSporeAdapter:
         if isinstance(x, self._dtype):
             return {"type": "mindspore.dtype", "value": str(x)}
         return None
+
+
+@functools.cache
+def _mindspore_dtype_name(numpy_dtype: str) -> str:
+    """MindSpore's name of a numpy dtype ("<f4" -> "Float32"), as a PyNative dump spells it."""
+    import mindspore as ms
+
+    return str(ms.Tensor(np.zeros((), np.dtype(numpy_dtype))).dtype)
 
 
 def is_jit_function(fn: Any) -> bool:
@@ -95,6 +107,7 @@ class MindSporeDumper:
         self._switched = False
         self._saved_env: str | None = None
         self._saved_mode: int | None = None
+        self.graph = None  # jit="graph": the probes of the step being dumped (dump_graph.GraphProbes)
 
     # ------------------------------------------------------------------ attach / detach
     def attach(self) -> None:
@@ -252,6 +265,9 @@ class MindSporeDumper:
     def on_start(self) -> None:
         if not self.recorder.step_selected:
             return
+        if self.recorder.cfg.jit == "graph":
+            self._start_graph()
+            return
         if not self.handles:
             for cell, path, cls, parent in self.plan:
                 self._hook_cell(cell, path, cls, parent)
@@ -268,7 +284,30 @@ class MindSporeDumper:
             self._saved_mode = ms.GRAPH_MODE
             ms.set_context(mode=ms.PYNATIVE_MODE)
 
+    def _start_graph(self) -> None:
+        """jit="graph": probes compiled into the step (:mod:`.dump_graph`), no mode switch."""
+        import mindspore as ms
+
+        from .dump_graph import GraphProbes
+
+        device = ms.get_context("device_target")
+        if device != "CPU":
+            raise ProbeError(
+                f"jit='graph' probes with pyfunc ops, which run on the CPU device only, not on {device}; "
+                "on Ascend use MindSpore's kernel dump (MINDSPORE_DUMP_CONFIG) or jit='pynative'"
+            )
+        if self.graph is None:
+            if self.recorder.cfg.level in ("L1", "mix"):
+                log.warning("ms-probe: jit='graph' dumps Cells only (level L0); functional ops are not wrapped")
+            self.graph = GraphProbes(self.recorder, self.plan)
+            self.graph.install()
+        self.graph.start()
+
     def on_stop(self) -> None:
+        if self.graph is not None:
+            self.graph.emit()
+            self.graph.remove()
+            self.graph = None
         self._remove_hooks()
         for owner, attr, old in reversed(self._patched):
             if old is _MISSING:

@@ -57,6 +57,8 @@ class DumpItem:
     entries: list[DataEntry]
     parent: str | None = None
     stack: list[str] | None = None
+    where: dict[str, Any] | None = None
+    """In a pipelined step's dump: the pass the item ran in, {stage, microbatch, pass} (pipeline.json)."""
 
 
 @dataclass
@@ -264,12 +266,16 @@ def _is_size(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def _read_side_file(dump: RankDump, name: str) -> Any:
-    """construct.json or stack.json: the document, or None (with a line in `problems`)."""
+def _read_side_file(dump: RankDump, name: str, optional: bool = False) -> Any:
+    """construct.json, stack.json or pipeline.json: the document, or None (with a line in
+    `problems`, unless the file is `optional` and the manifest does not list it)."""
     raw = _read(dump, name)
     if raw is None:
         listed = dump.manifest is not None and name in dump.manifest
-        (dump.damaged if listed else dump.note)(f"{name}: missing" + (" (manifest.json lists it)" if listed else ""))
+        if listed:
+            dump.damaged(f"{name}: missing (manifest.json lists it)")
+        elif not optional:
+            dump.note(f"{name}: missing")
         return None
     why = dump.mismatch(name, raw)
     if why:
@@ -335,6 +341,7 @@ def load_rank(folder: str | Path, step: int | None = None, rank: int | None = No
     data = _read_dump_json(dump)
     construct = _read_side_file(dump, "construct.json") or {}
     stack_of = _stack_index(_read_side_file(dump, "stack.json"))
+    where_of = _read_side_file(dump, "pipeline.json", optional=True) or {}
     for order, (name, entry) in enumerate(data.items()):
         parsed = parse_item(name)
         if parsed is None:
@@ -351,8 +358,20 @@ def load_rank(folder: str | Path, step: int | None = None, rank: int | None = No
         if parent is not None and not isinstance(parent, str):
             dump.damaged(f"construct.json: parent of {name!r} is {parent!r}, not an item name")
             parent = None
-        dump.items[name] = DumpItem(name, parsed, order, entries, parent, stack_of.get(name))
+        where = where_of.get(name)
+        if where is not None and not _is_where(where):
+            dump.damaged(f"pipeline.json: {name!r} maps to {where!r}, not {{stage, microbatch, pass}}")
+            where = None
+        dump.items[name] = DumpItem(name, parsed, order, entries, parent, stack_of.get(name), where)
     return dump
+
+
+def _is_where(where: Any) -> bool:
+    """A pipeline.json value: {"stage": int >= 0, "microbatch": int >= 0, "pass": str}."""
+    if not isinstance(where, dict) or not isinstance(where.get("pass"), str):
+        return False
+    return all(isinstance(where.get(k), int) and not isinstance(where.get(k), bool) and where[k] >= 0
+               for k in ("stage", "microbatch"))  # fmt: skip
 
 
 def _stack_index(stacks: Any) -> dict[str, list[str]]:

@@ -112,6 +112,8 @@ class Recorder:
         self.pending_grads: dict[str, tuple[str, int, dict[str, Any]]] = {}
         self.scope_state = 0 if self.cfg.scope else 1
         self.events_in_step = 0
+        self.where: dict[str, Any] | None = None  # the pipeline pass running now (pipeline_pass)
+        self._grad_where: dict[str, dict[str, Any] | None] = {}  # where each pending parameter gradient arrived
 
     @property
     def step_selected(self) -> bool:
@@ -210,8 +212,19 @@ class Recorder:
         return [self.capture(v, f"{name}.{key}.{i}", tensors) for i, v in enumerate(outs)]
 
     # ------------------------------------------------------------------ module hooks
+    def _rerun(self) -> bool:
+        """Inside a pipeline's B or W: a forward there re-runs one for its gradients (not the step's)."""
+        return self.where is not None and self.where["pass"] != "F"
+
+    def _repeated_in_w(self, path: str) -> bool:
+        """Inside a pipeline's W, a module gradient its B already recorded for this microbatch (W
+        differentiates again for the weights). A first stage's B computes no input gradient, so
+        there W's are the only ones."""
+        where = self.where
+        return where is not None and where["pass"] == "W" and self.bwd_count[path] > where["microbatch"]
+
     def forward_pre(self, path: str, cls: str, args: tuple, kwargs: dict | None) -> None:
-        if not self.active:
+        if not self.active or self._rerun():
             return
         self.events_in_step += 1
         name = module_item(self.adapter.prefix, path, cls, "forward", self.fwd_count[path])
@@ -230,7 +243,7 @@ class Recorder:
         self.stack.append(frame)
 
     def forward_post(self, path: str, out: Any, params: list[tuple[str, Any]]) -> None:
-        if not self.active:
+        if not self.active or self._rerun():
             return
         # Pop to this module's frame: a module that raised never reached its post hook.
         while self.stack and self.stack[-1].path != path:
@@ -249,11 +262,11 @@ class Recorder:
                         p: self.capture(v, f"{frame.name}.parameters.{p}", tensors) for p, v in params
                     }
             parent = frame.parent if self.cfg.level != "L1" else None
-            self.writer.add(frame.name, entry, parent, frame.stack)
+            self.writer.add(frame.name, entry, parent, frame.stack, self.where)
         self._end(frame.name)
 
     def backward(self, path: str, cls: str, grad_input: Any, grad_output: Any, parent: tuple[str, str] | None) -> None:
-        if not self.active:
+        if not self.active or self._repeated_in_w(path):
             return
         self.events_in_step += 1
         self._flush_pending_grads(path)
@@ -272,7 +285,7 @@ class Recorder:
                 parent_name = module_item(
                     self.adapter.prefix, parent[0], parent[1], "backward", self.bwd_count[parent[0]]
                 )
-            self.writer.add(name, entry, parent_name, None)
+            self.writer.add(name, entry, parent_name, None, self.where)
         self._end(name)
 
     def param_grad(self, path: str, cls: str, pname: str, grad: Any, expected: int) -> None:
@@ -286,6 +299,7 @@ class Recorder:
         wanted = self._listed(name) and self.cfg.level in ("L0", "mix") and self.cfg.wants("backward", "output")
         wanted = wanted and self.scope_state == 1
         _, _, got = self.pending_grads.setdefault(path, (cls, expected, {}))
+        self._grad_where[path] = self.where
         got[pname] = [self.capture(grad, f"{name}.{pname}", self._tensors_for(name))] if wanted else None
         if len(got) >= expected:
             self._flush_pending_grads(path)
@@ -300,6 +314,47 @@ class Recorder:
             entry = {p: v for p, v in got.items() if v is not None}
             if entry or (got and self.cfg.task == "structure"):
                 owner = module_item(self.adapter.prefix, path, cls, "backward", self.bwd_count[path])
+                self.writer.add(name, entry, owner, None, self._grad_where.pop(path, None))
+
+    # ------------------------------------------------------------------ compiled steps (dump_graph)
+    def _module_selected(self, name: str, direction: str) -> bool:
+        return self._listed(name) and self.cfg.level in ("L0", "mix") and self.cfg.wants(direction, "")
+
+    def graph_forward(self, path: str, name: str, args: list, outs: list, params: list, parent: str | None) -> None:
+        """A forward item of a compiled step, from its probes' values (numpy arrays)."""
+        self.events_in_step += 1
+        if self._begin(name) and self._module_selected(name, "forward"):
+            tensors, entry = self._tensors_for(name), {}
+            if self.cfg.task != "structure":
+                if self.cfg.wants("forward", "input"):
+                    entry.update(self._capture_inputs(name, tuple(args), {}, tensors))
+                if self.cfg.wants("forward", "output"):
+                    entry["output"] = self._capture_outputs(name, outs, tensors)
+                if params and self.cfg.wants("forward", "input"):
+                    entry["parameters"] = {p: self.capture(v, f"{name}.parameters.{p}", tensors) for p, v in params}
+            self.writer.add(name, entry, parent, None)
+        self._end(name)
+
+    def graph_backward(self, name: str, grads_out: list, grads_in: list, parent: str | None) -> None:
+        """A backward item of a compiled step: gradients of the outputs (its input) and of the inputs."""
+        self.events_in_step += 1
+        if self._begin(name) and self._module_selected(name, "backward"):
+            tensors, entry = self._tensors_for(name), {}
+            if self.cfg.task != "structure":
+                if self.cfg.wants("backward", "input"):
+                    entry["input"] = self._capture_outputs(name, grads_out, tensors, "input")
+                if self.cfg.wants("backward", "output"):
+                    entry["output"] = self._capture_outputs(name, grads_in, tensors, "output")
+            self.writer.add(name, entry, parent, None)
+        self._end(name)
+
+    def graph_param_grads(self, name: str, grads: dict, owner: str) -> None:
+        """A Cell's parameters_grad item of a compiled step."""
+        self.events_in_step += 1
+        if self._listed(name) and self.cfg.level in ("L0", "mix") and self.cfg.wants("backward", "output"):
+            if self.scope_state == 1 or not self.cfg.scope:
+                tensors = self._tensors_for(name)
+                entry = {p: [self.capture(g, f"{name}.{p}", tensors)] for p, g in grads.items()}
                 self.writer.add(name, entry, owner, None)
 
     # ------------------------------------------------------------------ API calls (L1 / mix)

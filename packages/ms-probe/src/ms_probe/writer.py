@@ -2,6 +2,7 @@
 
 Files: dump.json (items in the order they completed: children before their parent, as msprobe
 writes them), stack.json (deduplicated call stacks), construct.json (item -> parent item),
+pipeline.json (ours, in a pipelined step's dump: item -> {stage, microbatch, pass}),
 dump_tensor_data/*.npy (tensor mode) and manifest.json (size and sha256 of every file, ours:
 readers use it to tell a truncated or corrupt file from a good one).
 
@@ -36,6 +37,7 @@ class DumpWriter:
         self.task, self.level, self.framework = task, level, framework
         self.data: dict[str, Any] = {}
         self.construct: dict[str, str | None] = {}
+        self.pipeline: dict[str, dict[str, Any]] = {}  # item -> the pipeline pass it ran in (pipeline.json)
         self._stacks: dict[tuple[str, ...], list[str]] = {}
         self._tensors: list[str] = []
         self.warnings: list[str] = []
@@ -74,12 +76,22 @@ class DumpWriter:
             self._tensors.append(rel)
         return file_name
 
-    def add(self, name: str, entry: dict[str, Any], parent: str | None, stack: tuple[str, ...] | None) -> None:
-        """Record one item; a repeated name (a hook registered twice) keeps the first."""
+    def add(
+        self,
+        name: str,
+        entry: dict[str, Any],
+        parent: str | None,
+        stack: tuple[str, ...] | None,
+        where: dict[str, Any] | None = None,
+    ) -> None:
+        """Record one item; a repeated name (a hook registered twice) keeps the first. ``where``: the
+        pipeline pass the item ran in ({stage, microbatch, pass}), written to pipeline.json."""
         if name in self.data:
             return
         self.data[name] = entry
         self.construct[name] = parent
+        if where is not None:
+            self.pipeline[name] = dict(where)
         if stack is not None:
             self._stacks.setdefault(stack, []).append(name)
 
@@ -101,7 +113,10 @@ class DumpWriter:
             }
             stacks = {str(i): [names, list(frames)] for i, (frames, names) in enumerate(self._stacks.items())}
             names = list(self._tensors)
-            for name, obj in (("dump.json", dump), ("stack.json", stacks), ("construct.json", self.construct)):
+            files = [("dump.json", dump), ("stack.json", stacks), ("construct.json", self.construct)]
+            if self.pipeline:
+                files.append(("pipeline.json", self.pipeline))
+            for name, obj in files:
                 # Strict JSON (no NaN literals); not indented, so the C encoder writes it (indented, the
                 # pure-Python encoder took 15 ms of a 117 ms step for 144 modules' statistics)
                 (work / name).write_text(json.dumps(obj, allow_nan=False))

@@ -97,7 +97,10 @@ class PipelineRuntime:
     and output gradient in B and multiplies them in W (PyNative), "recompute" runs ``ms.grad``
     twice; "auto" takes "explicit" under ``jit`` where the blocks have explicit passes. ``recompute[s]`` (True or
     one flag per block of stage s) makes those blocks keep only their input from F to B.
-    ``host_w`` runs W's GEMMs in numpy on the kept pairs (see :class:`Stage`; None: off)."""
+    ``host_w`` runs W's GEMMs in numpy on the kept pairs (see :class:`Stage`; None: off).
+    ``probe`` (e.g. ms-probe's ``PrecisionDebugger``): each F, B, W and BW runs inside its
+    ``pipeline_pass(stage, microbatch, kind)``, so that a dump of the step names every module call
+    with its stage, microbatch and pass (PyNative, where the blocks run as Cells)."""
 
     def __init__(
         self,
@@ -113,7 +116,11 @@ class PipelineRuntime:
         dw: str = "auto",
         recompute: Mapping[int, bool | Sequence[bool]] | None = None,
         host_w: bool | None = None,
+        probe: Any = None,
     ):
+        if probe is not None and not callable(getattr(probe, "pipeline_pass", None)):
+            raise ScheduleError(f"probe={type(probe).__name__} has no pipeline_pass(stage, microbatch, kind)")
+        self.probe = probe
         if group.size != schedule.num_ranks:
             raise ScheduleError(
                 f"schedule {schedule.name} needs {schedule.num_ranks} ranks, the group has {group.size}"
@@ -217,7 +224,11 @@ class PipelineRuntime:
 
     def run_compute(self, part: Action) -> None:
         """Run one F, B, W or BW (public so that an ``overlap_fn`` can run the halves of a pair)."""
-        drain(self.compute_steps(part, steps=False))
+        if self.probe is None:
+            drain(self.compute_steps(part, steps=False))
+            return
+        with self.probe.pipeline_pass(part.stage, part.microbatch, part.kind.value):
+            drain(self.compute_steps(part, steps=False))
 
     def compute_steps(self, part: Action, steps: bool = True) -> Generator[str, None, None]:
         """One F, B, W or BW as steps: it yields a label after each collective its stage's blocks

@@ -131,7 +131,7 @@ def tests(session: nox.Session, variant: str) -> None:
     workers = _xdist(_test_workers(package))
     if workers:
         session.install("pytest-xdist>=3.5")
-    session.run("pytest", str(PACKAGES_DIR / package / "tests"), *args, *workers, *session.posargs)
+    session.run("pytest", str(PACKAGES_DIR / package / "tests"), *args, *workers, "--durations=8", *session.posargs)
 
 
 @nox.session
@@ -140,7 +140,9 @@ def integration(session: nox.Session) -> None:
     for package in _packages():
         _install_package(session, package, "test")
     session.install("psutil", "pytest-xdist>=3.5")  # psutil: to collect the workers msrun leaves behind
-    session.run("pytest", str(ROOT / "integration_tests"), *_xdist(INTEGRATION_WORKERS), *session.posargs)
+    session.run(
+        "pytest", str(ROOT / "integration_tests"), *_xdist(INTEGRATION_WORKERS), "--durations=25", *session.posargs
+    )
 
 
 @nox.session

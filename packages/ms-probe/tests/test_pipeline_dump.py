@@ -4,12 +4,13 @@ merged and compared with the same network's single-process step over the same mi
 
 import json
 import os
+import sqlite3
 
 import numpy as np
 import pytest
 from fakenet import NumpyAdapter
 
-from ms_probe import DumpConfig, PrecisionDebugger, ProbeError, compare_dirs, load_rank
+from ms_probe import DumpConfig, PrecisionDebugger, ProbeError, compare_dirs, load_rank, write_results
 from ms_probe.cli import main
 from ms_probe.merge import merge_ranks
 from ms_probe.recorder import Recorder
@@ -125,6 +126,12 @@ def test_merged_pipelined_dump_compares_clean_and_names_the_pass(tmp_path):
     summary = run.summary()
     assert summary["first_divergence"] is None and summary["target_only"] == summary["golden_only"] == 0, summary
     assert summary["aligned_items"] == 6 * M  # 2 forwards, 2 backwards, 2 parameter gradients per microbatch
+    # the graph-visualizer export shows each item under its microbatch (msprobe's micro steps)
+    files = write_results(run, tmp_path / "cmp")
+    with sqlite3.connect(files["compare.vis.db"]) as db:
+        micro = dict(db.execute("SELECT node_name, micro_step_id FROM tb_nodes WHERE graph_id = 'NPU_0_0'"))
+        (micro_steps,) = db.execute("SELECT micro_steps FROM tb_config").fetchone()
+    assert micro_steps == M and micro["Cell.scale.Scale.backward.2"] == 2 and micro["Cell.fc.Dense.forward.1"] == 1
 
     pipelined(tmp_path / "bad", TwoStageNet(k=1.05))
     bad = compare_dirs(str(tmp_path / "bad"), str(golden).rsplit("/step", 1)[0], merge_target_ranks=True).summary()

@@ -87,6 +87,8 @@ class RankCompare:
     """{"target": first NaN/Inf or None, "golden": ...}."""
     first_where: dict[str, Any] | None = None
     """The first divergence's pipeline pass, {stage, microbatch, pass}, in a pipelined step's dump."""
+    dumps: dict[str, RankDump] = field(default_factory=dict, repr=False)
+    """{"target": ..., "golden": ...}: the dumps compared (their trees and stacks, for the graph export)."""
 
     def damaged(self) -> list[dict[str, Any]]:
         """[{side, folder, reasons}] for each damaged side."""
@@ -265,6 +267,7 @@ def compare_rank(
         {"target": list(target.damage), "golden": list(golden.damage)},
         {side: first_anomaly(side, dump, seen[side]) for side, dump in (("target", target), ("golden", golden))},
         target.items[first].where if first in target.items else None,
+        {"target": target, "golden": golden},
     )
 
 

@@ -130,8 +130,9 @@ def _csv_bytes(records: list[dict[str, Any]]) -> bytes:
     return buf.getvalue().encode()
 
 
-def write_results(run: CompareRun, out_dir: str | Path, html: bool = True) -> dict[str, str]:
-    """compare_result_step{S}_rank{R}.csv/.json per rank, summary.json and report.html."""
+def write_results(run: CompareRun, out_dir: str | Path, html: bool = True, vis: bool = True) -> dict[str, str]:
+    """compare_result_step{S}_rank{R}.csv/.json per rank, summary.json, report.html and
+    compare.vis.db (MindStudio's graph visualizer: `tensorboard --logdir out_dir`, :mod:`.vis_db`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, str] = {}
@@ -152,4 +153,8 @@ def write_results(run: CompareRun, out_dir: str | Path, html: bool = True) -> di
 
         atomic_write(out / "report.html", render_html(run).encode())
         files["report.html"] = str(out / "report.html")
+    if vis and run.ranks and all(rc.dumps for rc in run.ranks):
+        from .vis_db import write_vis_db
+
+        files["compare.vis.db"] = str(write_vis_db(run, out / "compare.vis.db"))
     return files

@@ -62,6 +62,7 @@ class _Frame:
     parent: str | None
     selected: bool
     listed: bool
+    cls: str = ""
     entry: dict[str, Any] = field(default_factory=dict)
     stack: tuple[str, ...] | None = None
 
@@ -114,6 +115,9 @@ class Recorder:
         self.events_in_step = 0
         self.where: dict[str, Any] | None = None  # the pipeline pass running now (pipeline_pass)
         self._grad_where: dict[str, dict[str, Any] | None] = {}  # where each pending parameter gradient arrived
+        # path -> (path, class) of the module that called it: a backward item's parent is the
+        # backward of its caller, not of a container that is never called (a CellList)
+        self.caller: dict[str, tuple[str, str] | None] = {}
 
     @property
     def step_selected(self) -> bool:
@@ -235,7 +239,8 @@ class Recorder:
         listed = bool(self.cfg.list) and (self._listed(name) or inherited)
         chosen = self._listed(name) or inherited
         selected = in_scope and chosen and self.cfg.level in ("L0", "mix") and self.cfg.wants("forward", "")
-        frame = _Frame(name, path, self.stack[-1].name if self.stack else None, selected, listed)
+        frame = _Frame(name, path, self.stack[-1].name if self.stack else None, selected, listed, cls)
+        self.caller[path] = (self.stack[-1].path, self.stack[-1].cls) if self.stack else None
         if selected:
             frame.stack = call_stack(3)
             if self.cfg.task != "structure" and self.cfg.wants("forward", "input"):
@@ -281,10 +286,14 @@ class Recorder:
                 if self.cfg.wants("backward", "output"):
                     entry["output"] = self._capture_outputs(name, grad_input, tensors, "output")
             parent_name = None
+            parent = self.caller.get(path, parent)  # the static parent when its forward was not seen
             if parent is not None:
-                parent_name = module_item(
-                    self.adapter.prefix, parent[0], parent[1], "backward", self.bwd_count[parent[0]]
-                )
+                # the parent's coming backward; its last one when it already ran (a caller whose
+                # inputs are integer ids finishes its backward before its embedding's)
+                index = self.bwd_count[parent[0]]
+                if self.fwd_count[parent[0]]:
+                    index = min(index, self.fwd_count[parent[0]] - 1)
+                parent_name = module_item(self.adapter.prefix, parent[0], parent[1], "backward", index)
             self.writer.add(name, entry, parent_name, None, self.where)
         self._end(name)
 

@@ -87,3 +87,67 @@ def test_rule_that_does_not_fit_the_tensor_is_named():
     x = np.arange(12.0).reshape(2, 6)
     assert m.in_compare_layout("target", "fc1", "forward", "input", x) is x  # role not listed: untouched
     assert m.to_dict()["layouts"][0]["rule"] == "deinterleave"
+
+
+# ---------------------------------------------------------------------------------------------
+# A fused QKV projection: MindSpore Transformers' SelfAttentionContiguous stacks [Q; K; V], Megatron
+# (and MindFormers' default SelfAttention) groups the rows per query group [q0, k0, v0, q1, ...]
+
+GROUPS, HEADS_PER_GROUP, HEAD_DIM, HIDDEN = 2, 3, 4, 8
+QKV_PARTS = [HEADS_PER_GROUP, 1, 1]
+
+
+def _qkv_weights(contiguous: bool) -> np.ndarray:
+    rng = np.random.default_rng(3)
+    q = rng.normal(size=(GROUPS, HEADS_PER_GROUP * HEAD_DIM, HIDDEN)).astype(np.float32)
+    k, v = (rng.normal(size=(GROUPS, HEAD_DIM, HIDDEN)).astype(np.float32) for _ in range(2))
+    if contiguous:
+        return np.concatenate([q.reshape(-1, HIDDEN), k.reshape(-1, HIDDEN), v.reshape(-1, HIDDEN)])
+    return np.concatenate([q, k, v], axis=1).reshape(-1, HIDDEN)
+
+
+def _qkv_dump(path, contiguous: bool, prefix: str) -> str:
+    w = _qkv_weights(contiguous)
+    x = np.random.default_rng(1).normal(size=(4, HIDDEN)).astype(np.float32)
+    rec = Recorder(DumpConfig(dump_path=str(path), task="tensor"), NumpyAdapter(prefix), 0)
+    rec.step = 0
+    rec.start()
+    name = f"{'model.' if contiguous else ''}decoder.layers.0.self_attention.linear_qkv"
+    rec.forward_pre(name, "Linear", (x,), {})
+    out = x @ w.T
+    rec.forward_post(name, out, [("weight", w)])
+    dout = np.cos(out)  # the gradient of sum(sin(out)): elementwise, so it follows the layout
+    rec.backward(name, "Linear", (dout @ w,), (dout,), None)
+    rec.param_grad(name, "Linear", "weight", dout.T @ x, 1)
+    return rec.stop()
+
+
+def _qkv_mapping(with_rule: bool):
+    axes = {"forward.output": -1, "backward.input": -1, "parameter": 0, "param_grad": 0}
+    rule = {"path": "model.{p*}.linear_qkv", "side": "target", "rule": "group", "groups": GROUPS, "parts": QKV_PARTS}
+    modules = [{"target": "model.{rest*}", "golden": "{rest*}"}]
+    return mapping_from_dict({"modules": modules, "layouts": [{**rule, "axes": axes}] * with_rule})
+
+
+def test_contiguous_qkv_compares_clean_with_the_group_rule_and_diverges_without(tmp_path):
+    target = _qkv_dump(tmp_path / "mf", contiguous=True, prefix="Cell")
+    golden = _qkv_dump(tmp_path / "megatron", contiguous=False, prefix="Module")
+    clean = compare_dirs(target, golden, _qkv_mapping(True)).ranks[0]
+    assert clean.first_divergence is None and set(_results(clean).values()) == {"pass"}, _results(clean)
+    assert max(r.metrics["MaxAbsErr"] for r in clean.rows) < 1e-5
+    plain = compare_dirs(target, golden, _qkv_mapping(False)).ranks[0]
+    assert plain.first_divergence == "Cell.model.decoder.layers.0.self_attention.linear_qkv.Linear.forward.0"
+
+
+def test_group_and_ungroup_are_inverse_and_misfits_are_named():
+    m = _qkv_mapping(True)
+    (rule,) = m.layouts
+    stacked, grouped = _qkv_weights(True), _qkv_weights(False)
+    assert np.array_equal(rule.apply(stacked, 0), grouped)
+    back = mapping_from_dict({"layouts": [{**rule.to_dict(), "rule": "ungroup"}]}).layouts[0]
+    assert np.array_equal(back.apply(grouped, 0), stacked)
+    with pytest.raises(ProbeError, match=r"size 12 is not 2 groups of parts \[3, 1, 1\]"):
+        rule.apply(np.zeros((12, 2)), 0)
+    for bad, message in (({"groups": 0}, "groups 0"), ({"parts": [3]}, r"parts \[3\]"), ({"parts": 2}, "parts 2")):
+        with pytest.raises(ProbeError, match=message):
+            mapping_from_dict({"layouts": [{**rule.to_dict(), **bad}]})

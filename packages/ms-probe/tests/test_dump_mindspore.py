@@ -165,3 +165,30 @@ def test_config_file_and_errors(ms, tmp_path):
         PrecisionDebugger(dump_path=str(tmp_path)).start(object())
     with pytest.raises(ProbeError, match="dump_path"):
         PrecisionDebugger(task="tensor")
+
+
+def test_synchronous_cpu_reads_tensors_in_place_with_the_same_numbers(ms, tmp_path):
+    """With pynative_synchronize the dumper reads each tensor through DLPack (no copy): the
+    statistics and the saved tensors equal those of the copying path, bit for bit."""
+    from ms_probe.dump_mindspore import MindSporeAdapter
+
+    net = _net(ms)
+    x = ms.Tensor(np.random.default_rng(0).normal(size=(3, 4)).astype(np.float32))
+    grad_fn = ms.value_and_grad(lambda v: net(v).sum(), None, net.trainable_params())
+    dumps = {}
+    for synchronous in (False, True):
+        ms.set_context(pynative_synchronize=synchronous)
+        try:
+            adapter = MindSporeAdapter()
+            assert np.array_equal(adapter.to_numpy(x), x.asnumpy()) and adapter._host_view is synchronous
+            dbg = PrecisionDebugger(dump_path=str(tmp_path / str(synchronous)), task="tensor")
+            with dbg.dump_step(net):
+                grad_fn(x)[0].asnumpy()
+            dbg.close()
+        finally:
+            ms.set_context(pynative_synchronize=False)
+        dumps[synchronous] = tmp_path / str(synchronous) / "step0" / "rank0"
+    copied, viewed = (_data(str(dumps[k])) for k in (False, True))
+    assert copied == viewed and len(viewed) > 4
+    for f in (dumps[False] / "dump_tensor_data").iterdir():
+        assert np.array_equal(np.load(f), np.load(dumps[True] / "dump_tensor_data" / f.name)), f.name

@@ -26,6 +26,7 @@ items align by path, direction and call index, so `Linear` and `ColumnParallelLi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
@@ -173,7 +174,7 @@ class NameMapping:
             strip_target=list(self.strip_golden),
             strip_golden=list(self.strip_target),
             layouts=[
-                LayoutRule(r.path, "golden" if r.side == "target" else "target", r.rule, r.parts, dict(r.axes))
+                dataclasses.replace(r, side="golden" if r.side == "target" else "target", axes=dict(r.axes))
                 for r in self.layouts
             ],
             source=self.source,

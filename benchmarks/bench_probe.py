@@ -3,10 +3,11 @@
     python benchmarks/bench_probe.py [--quick] [--out benchmarks/results/probe.json]
 
 A small Llama (ms-models on MindSpore PyNative, and Hugging Face transformers on torch with the
-same weights) runs forward + backward; each repetition runs the three modes back to back (no dump,
-statistics, tensor), so machine noise hits them alike, and the rows give medians and the ratio to
-no dump. Then the tensor dumps of both frameworks are compared (MB of .npy read per second, both
-sides counted) and so are the statistics dumps (items per second), report.html included.
+same weights) runs forward + backward; each repetition runs the four modes back to back (no dump,
+statistics, statistics with async_dump, tensor), so machine noise hits them alike, and the rows
+give medians and the ratio to no dump. Then the tensor dumps of both frameworks are compared (MB
+of .npy read per second, both sides counted) and so are the statistics dumps (items per second),
+report.html included.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from pathlib import Path
 import numpy as np
 from _common import machine_info, write_result
 
-MODES = ("none", "statistics", "tensor")
+MODES = ("none", "statistics", "statistics-async", "tensor")
+"""statistics-async: the statistics task with async_dump (a thread computes them beside the step)."""
 SMALL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, head_dim=32)  # fmt: skip
 
@@ -61,7 +63,10 @@ def _steps(model_dir: str, ids: np.ndarray, work: Path, reps: int) -> tuple[list
     for fw, model, step in (("mindspore", ms_model, ms_step), ("pytorch", hf, pt_step)):
         step()  # warm-up
         for mode in MODES[1:]:
-            debuggers[(fw, mode)] = PrecisionDebugger(dump_path=str(work / f"{fw}_{mode}"), task=mode)
+            task, _, how = mode.partition("-")
+            debuggers[(fw, mode)] = PrecisionDebugger(
+                dump_path=str(work / f"{fw}_{mode}"), task=task, async_dump=how == "async"
+            )
         for _ in range(reps):
             for mode in MODES:
                 start = time.perf_counter()
@@ -75,6 +80,10 @@ def _steps(model_dir: str, ids: np.ndarray, work: Path, reps: int) -> tuple[list
         for mode in MODES[1:]:
             debuggers[(fw, mode)].close()
             last_dump[f"{fw}_{mode}"] = work / f"{fw}_{mode}" / f"step{reps - 1}"
+    for fw in ("mindspore", "pytorch"):  # the thread's statistics are the hooks' statistics
+        same = [json.loads((last_dump[f"{fw}_{m}"] / "rank0" / "dump.json").read_text())["data"] for m in MODES[1:3]]
+        if same[0] != same[1]:
+            raise SystemExit(f"{fw}: the async_dump statistics differ from the synchronous ones")
     rows = []
     for fw in ("mindspore", "pytorch"):
         base = statistics.median(runs[(fw, "none")])
@@ -182,7 +191,7 @@ def main() -> int:
     _print(rows, title)
     by = {(r["framework"], r["mode"]): r for r in rows if r["measure"] == "train step"}
     summary = {
-        f"{'ms' if fw == 'mindspore' else 'torch'}_{mode}_over_no_dump": by[(fw, mode)]["vs_no_dump"]
+        f"{'ms' if fw == 'mindspore' else 'torch'}_{mode.replace('-', '_')}_over_no_dump": by[(fw, mode)]["vs_no_dump"]
         for fw in ("mindspore", "pytorch")
         for mode in MODES[1:]
     }

@@ -192,3 +192,27 @@ def test_synchronous_cpu_reads_tensors_in_place_with_the_same_numbers(ms, tmp_pa
     assert copied == viewed and len(viewed) > 4
     for f in (dumps[False] / "dump_tensor_data").iterdir():
         assert np.array_equal(np.load(f), np.load(dumps[True] / "dump_tensor_data" / f.name)), f.name
+
+
+def test_async_statistics_equal_the_synchronous_ones(ms, tmp_path):
+    """async_dump: a thread computes the statistics beside the step, on in-place views of the
+    tensors; the dump equals the one computed in the hooks."""
+    net = _net(ms)
+    x = ms.Tensor(np.random.default_rng(0).normal(size=(3, 4)).astype(np.float32))
+    grad_fn = ms.value_and_grad(lambda v: net(v).sum(), None, net.trainable_params())
+    ms.set_context(pynative_synchronize=True)
+    try:
+        for mode in (False, True):
+            dbg = PrecisionDebugger(dump_path=str(tmp_path / str(mode)), task="statistics", async_dump=mode)
+            for _ in range(2):  # the worker thread carries over to the next step
+                with dbg.dump_step(net):
+                    grad_fn(x)[0].asnumpy()
+            dbg.close()
+    finally:
+        ms.set_context(pynative_synchronize=False)
+    for step in ("step0", "step1"):
+        sync, async_ = (_data(str(tmp_path / m / step / "rank0")) for m in ("False", "True"))
+        assert sync == async_ and len(sync) > 4
+        assert all(rec["Max"] is not None for item in async_.values() for rec in item.get("output", []) if rec)
+    with pytest.raises(ProbeError, match="async_dump='yes'"):
+        PrecisionDebugger(dump_path=str(tmp_path), async_dump="yes")

@@ -24,7 +24,7 @@ LEVELS = ("L0", "L1", "mix")
 DATA_MODES = ("all", "forward", "backward", "input", "output")
 SUMMARY_MODES = ("statistics", "md5")
 JIT_MODES = ("boundary", "graph", "pynative")
-_IGNORED_KEYS = ("extra_info", "async_dump", "precision", "is_deterministic", "enable_dataloader", "acl_config")
+_IGNORED_KEYS = ("extra_info", "precision", "is_deterministic", "enable_dataloader", "acl_config")
 
 
 def parse_int_list(value: Any, what: str) -> list[int]:
@@ -85,6 +85,9 @@ class DumpConfig:
     """"statistics" or "md5" (adds a CRC-32 of each tensor's bytes)."""
     tensor_list: list[str] = field(default_factory=builtins.list)
     """Statistics task, but real tensors for items matching these names or substrings."""
+    async_dump: bool = False
+    """Statistics task: compute the statistics in a thread beside the step (:mod:`.stats_worker`),
+    not before the hook returns; the step waits for them before its JSON files are written."""
     jit: str = "pynative"
     """MindSpore only. "pynative": dumped steps run jit functions eagerly (MS_JIT=0, PyNative context)
     so that every Cell inside them is dumped; "boundary": jit code stays compiled and Cells with a jit
@@ -100,6 +103,8 @@ class DumpConfig:
         self._check("level", self.level, LEVELS)
         self._check("summary_mode", self.summary_mode, SUMMARY_MODES)
         self._check("jit", self.jit, JIT_MODES)
+        if not isinstance(self.async_dump, bool):
+            raise ProbeError(f"async_dump={self.async_dump!r} must be true or false")
         self.step = parse_int_list(self.step, "step")
         self.rank = parse_int_list(self.rank, "rank")
         self.data_mode = [self.data_mode] if isinstance(self.data_mode, str) else list(self.data_mode or ["all"])
@@ -148,7 +153,7 @@ def config_from_dict(raw: dict[str, Any], **overrides: Any) -> DumpConfig:
     for key in _IGNORED_KEYS:
         if key in raw:
             log.info("ms-probe: config key %r is accepted and has no effect here", key)
-    known = {"task", "dump_path", "rank", "step", "level", "jit", "statistics", "tensor", *_IGNORED_KEYS}
+    known = {"task", "dump_path", "rank", "step", "level", "jit", "async_dump", "statistics", "tensor", *_IGNORED_KEYS}
     unknown = sorted(set(raw) - known - {"acc_check", "run_ut", "overflow_check", "free_benchmark", "grad_probe"})
     if unknown:
         raise ProbeError(f"unknown config keys {unknown}")
@@ -159,6 +164,7 @@ def config_from_dict(raw: dict[str, Any], **overrides: Any) -> DumpConfig:
         "step": raw.get("step", []),
         "rank": raw.get("rank", []),
         "jit": raw.get("jit", "pynative"),
+        "async_dump": raw.get("async_dump", False),
         "scope": sub.get("scope", []),
         "list": sub.get("list", []),
         "data_mode": sub.get("data_mode", ["all"]),

@@ -64,6 +64,7 @@ class PrecisionDebugger:
         summary_mode: str | None = None,
         tensor_list: list | None = None,
         jit: str | None = None,
+        async_dump: bool | None = None,
     ):
         overrides = dict(
             task=task,
@@ -77,6 +78,7 @@ class PrecisionDebugger:
             summary_mode=summary_mode,
             tensor_list=tensor_list,
             jit=jit,
+            async_dump=async_dump,
         )
         if config_path is not None:
             self.config = load_config(config_path, **overrides)

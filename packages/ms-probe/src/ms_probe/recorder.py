@@ -23,7 +23,8 @@ import numpy as np
 
 from .config import DumpConfig
 from .naming import api_item, module_item, param_grad_item
-from .stats import scalar_info, tensor_info
+from .stats import STAT_KEYS, scalar_info, tensor_info
+from .stats_worker import StatsWorker
 from .writer import DumpWriter
 
 log = logging.getLogger("ms_probe")
@@ -101,6 +102,7 @@ class Recorder:
         self.writer: DumpWriter | None = None
         self.events_in_step = 0
         self.dumped_steps: list[int] = []
+        self._stats: StatsWorker | None = None  # async_dump: started at the first tensor
         self._reset_step_state()
 
     # ------------------------------------------------------------------ steps
@@ -145,6 +147,8 @@ class Recorder:
         if self.writer is None:
             return None
         self._flush_pending_grads()
+        if self._stats is not None:
+            self._stats.drain()
         if not self.writer.data:
             msg = (
                 f"step {self.step} rank {self.rank}: no module or API call was recorded between start() and stop(): "
@@ -188,6 +192,8 @@ class Recorder:
         a = self.adapter
         if a.is_tensor(value):
             arr = a.to_numpy(value)
+            if self.cfg.async_dump and not tensors and self.cfg.summary_mode == "statistics":
+                return self._capture_later(value, arr)
             info = tensor_info(
                 arr,
                 type_name=a.type_name,
@@ -204,6 +210,19 @@ class Recorder:
             return [self.capture(v, f"{data_name}.{i}", tensors) for i, v in enumerate(value)]
         other = a.other_info(value)
         return other if other is not None else scalar_info(value)
+
+    def _capture_later(self, value: Any, arr: Any) -> dict[str, Any]:
+        """The record of a tensor whose statistics the worker thread fills (async_dump)."""
+        a = self.adapter
+        info: dict[str, Any] = {"type": a.type_name, "dtype": a.dtype_name(value), "shape": [int(s) for s in arr.shape]}
+        info.update(dict.fromkeys(STAT_KEYS))
+        requires_grad = a.requires_grad(value)
+        if requires_grad is not None:
+            info["requires_grad"] = bool(requires_grad)
+        if self._stats is None:
+            self._stats = StatsWorker()
+        self._stats.submit(info, arr, value)
+        return info
 
     def _capture_inputs(self, name: str, args: tuple, kwargs: dict, tensors: bool) -> dict[str, Any]:
         return {

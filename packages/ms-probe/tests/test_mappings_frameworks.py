@@ -74,6 +74,7 @@ def test_golden_names_are_real_megatron_modules(kind):
     tree = megatron_tree(kind)
     mapping = load_mapping(MAPPINGS[kind])
     templates = [r.golden for r in mapping.rules] + [s.path for s in mapping.skips if s.side == "golden"]
+    templates += [part for j in mapping.joins if j.side == "golden" for part in j.parts]  # MLA's two down projections
     stale = [t.text for t in templates if not any(t.match(path) is not None for path in tree)]
     assert not stale, f"{MAPPINGS[kind]}: no module of megatron-core's {kind} GPTModel matches {stale}"
     # the interleaved-fc1 rule's module exists on the Megatron side (test_data_layouts checks the rule)
@@ -106,5 +107,7 @@ def test_target_names_are_mindformers_attributes(kind):
     mapping = load_mapping(MAPPINGS[kind])
     templates = [r.target.text for r in mapping.rules] + [s.path.text for s in mapping.skips if s.side == "target"]
     templates += [r.path.text for r in mapping.layouts]
+    # a golden-side join compares its parts with the target's fused module: that one must exist
+    templates += [mapping.reversed().map_path(j.path.text) for j in mapping.joins if j.side == "golden"]
     unknown = {t: [s for s in _literal_segments(t) if s not in attributes] for t in templates}
     assert not {t: u for t, u in unknown.items() if u}, unknown

@@ -201,6 +201,7 @@ def compare_rank(
     """Compare one step of one rank."""
     mapping = mapping or NameMapping()
     th = thresholds or Thresholds()
+    target, golden = mapping.joined(target, "target"), mapping.joined(golden, "golden")
     mode = "tensor" if target.task == "tensor" and golden.task == "tensor" else "statistics"
     g_keys, t_keys = item_keys(golden, mapping, "golden"), item_keys(target, mapping, "target")
     g_index: dict[tuple, DumpItem] = {}

@@ -40,6 +40,7 @@ from ms_layout.limits import Limit
 
 from .data_layouts import LayoutRule, layout_rule_from_dict
 from .errors import ProbeError
+from .joins import JoinRule, apply_joins, join_rule_from_dict
 
 MAX_MAPPING_BYTES = Limit("MS_PROBE_MAX_MAPPING_BYTES", 16 << 20, "bytes")
 """Largest mapping YAML file read."""
@@ -109,6 +110,7 @@ class NameMapping:
     strip_target: list[str] = field(default_factory=list)
     strip_golden: list[str] = field(default_factory=list)
     layouts: list[LayoutRule] = field(default_factory=list)
+    joins: list[JoinRule] = field(default_factory=list)
     source: str = ""
 
     # ------------------------------------------------------------------ use
@@ -158,6 +160,13 @@ class NameMapping:
                     return rule.apply(array, axis)
         return array
 
+    def joined(self, dump, side: str):
+        """`dump` (of `side`) with this mapping's join rules applied (joins.py)."""
+        if not any(j.side == side for j in self.joins):
+            return dump
+        prefixes = self.strip_target if side == "target" else self.strip_golden
+        return apply_joins(dump, self.joins, side, lambda path: self._strip(path, prefixes))
+
     def map_api(self, name: str) -> str:
         """`Functional.matmul` -> `Torch.matmul` (API names without the call index)."""
         return self.api.get(name, name)
@@ -177,6 +186,7 @@ class NameMapping:
                 dataclasses.replace(r, side="golden" if r.side == "target" else "target", axes=dict(r.axes))
                 for r in self.layouts
             ],
+            joins=[dataclasses.replace(j, side="golden" if j.side == "target" else "target") for j in self.joins],
             source=self.source,
         )
 
@@ -190,6 +200,7 @@ class NameMapping:
             "data": [{"path": d.path.text, "target": d.target, "golden": d.golden} for d in self.data],
             "api": dict(self.api),
             "layouts": [r.to_dict() for r in self.layouts],
+            "joins": [j.to_dict() for j in self.joins],
         }
 
 
@@ -275,6 +286,8 @@ def mapping_from_dict(raw: Any, source: str = "<dict>") -> NameMapping:
     m.api = {str(k): str(v) for k, v in api.items()}
     for i, r in enumerate(_list(raw, "layouts", f"mapping {source}")):
         m.layouts.append(layout_rule_from_dict(r, f"mapping {source}: layouts[{i}]", _template))
+    for i, r in enumerate(_list(raw, "joins", f"mapping {source}")):
+        m.joins.append(join_rule_from_dict(r, f"mapping {source}: joins[{i}]", _template))
     return m
 
 

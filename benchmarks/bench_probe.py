@@ -105,6 +105,68 @@ def _steps(model_dir: str, ids: np.ndarray, work: Path, reps: int) -> tuple[list
     return rows, last_dump
 
 
+def _msprobe_rows(model_dir: str, ids: np.ndarray, work: Path, reps: int) -> list[dict]:
+    """msprobe 26.2.0 (mindstudio-probe) dumping statistics of the same MindSpore step, L0,
+    alternated with the step without dump; after ms-probe's runs, since msprobe's hooks may
+    outlive its stop() (the rows say how the plain step changed). Its Norm uses mint.norm, whose
+    LinalgVectorNorm kernel MindSpore 2.10 lacks on CPU: sqrt(sum(x * x)) stands in."""
+    try:
+        import mindspore as ms
+        from mindspore import mint, ops
+
+        norm = mint.norm
+        mint.norm = lambda x, *a, **k: ops.sqrt((x.astype(ms.float32) * x.astype(ms.float32)).sum())
+        from msprobe.mindspore import PrecisionDebugger as MsprobeDebugger
+    except ImportError as e:
+        print(f"msprobe peer skipped: {e} (pip install mindstudio-probe)")
+        return []
+    from ms_models import from_pretrained
+
+    model = from_pretrained(model_dir)
+    grad_fn = ms.value_and_grad(lambda x: model(x).mean(), None, model.trainable_params())
+    x = ms.Tensor(ids)
+
+    def step():
+        grad_fn(x)[1][0].asnumpy()
+
+    config = work / "msprobe_config.json"
+    config.write_text(json.dumps({"task": "statistics", "dump_path": str(work / "msprobe"), "level": "L0",
+                                  "statistics": {"data_mode": ["all"], "summary_mode": "statistics"}}))  # fmt: skip
+    debugger = MsprobeDebugger(config_path=str(config))
+
+    def dumped():
+        debugger.start(model)
+        step()
+        debugger.stop()
+        debugger.step()
+
+    before = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        step()
+        before.append(time.perf_counter() - start)
+    times = {"none": [], "msprobe statistics": []}
+    try:
+        dumped()  # warm-up
+        for _ in range(reps):
+            for mode, fn in (("none", step), ("msprobe statistics", dumped)):
+                start = time.perf_counter()
+                fn()
+                times[mode].append(time.perf_counter() - start)
+    finally:
+        mint.norm = norm
+    items = max((len(json.loads(f.read_text())["data"]) for f in (work / "msprobe").rglob("dump.json")), default=0)
+    base = statistics.median(before)
+    rows = []
+    for mode, t in (("none before msprobe", before), ("none between msprobe", times["none"]),
+                    ("msprobe statistics", times["msprobe statistics"])):  # fmt: skip
+        med = statistics.median(t)
+        rows.append({"measure": "train step", "framework": "mindspore", "mode": mode, "step_ms": round(med * 1e3, 1),
+                     "vs_no_dump": round(med / base, 3), "items": items if mode == "msprobe statistics" else 0,
+                     "npy_MB": 0.0})  # fmt: skip
+    return rows
+
+
 def _compare_rows(dumps: dict[str, Path], work: Path, reps: int) -> list[dict]:
     from ms_probe import compare_dirs, load_mapping, write_results
 
@@ -183,6 +245,7 @@ def main() -> int:
         model_dir = make_tiny("llama", work / "model", seed=0, **overrides)
         ids = np.random.default_rng(0).integers(4, 300, (batch, seq)).astype(np.int32)
         rows, dumps = _steps(model_dir, ids, work, reps)
+        rows += _msprobe_rows(model_dir, ids, work, reps)
         rows += _compare_rows(dumps, work, max(3, reps // 2))
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -195,6 +258,9 @@ def main() -> int:
         for fw in ("mindspore", "pytorch")
         for mode in MODES[1:]
     }
+    peer = by.get(("mindspore", "msprobe statistics"))
+    if peer is not None:  # the peer's own statistics dump of the same step, measured in the same run
+        summary["msprobe_statistics_over_no_dump"] = peer["vs_no_dump"]
     summary["load_avg_1m_before"] = round(load_before, 2)
     result = {
         "benchmark": "probe",

@@ -163,6 +163,7 @@ def test_cli_json_and_html_report_screenshot(tmp_path, capsys):
     assert summary["first_divergence"] == "Cell.block.act.ReLU.forward.0"
     assert summary["aligned_items"] == 9 and summary["alignment"]["mapping"] == "identity"
     assert sorted(os.listdir(out)) == [
+        "compare.vis.db",  # MindStudio's graph visualizer (test_vis_db.py)
         "compare_result_step0_rank0.csv",
         "compare_result_step0_rank0.json",
         "report.html",

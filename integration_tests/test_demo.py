@@ -66,6 +66,9 @@ def test_stage_numbers_hold_against_their_references(demo):
     # within float32 rounding of each tensor's scale: the bound n * u, not a looser one
     assert probe["rtol"] < 1e-3 and probe["max_relative_grad_err"] <= probe["rtol"]
     assert probe["max_relative_update_err"] <= probe["update_rtol"] < 1e-5
+    # step 1 dumped on the pipeline ranks: every pass of the schedule seen, nothing diverges
+    assert probe["pipelined_first_divergence"] is None and probe["pipelined_passes"] == ["B", "F", "W"]
+    assert probe["pipelined_compared_modules"] > 0
     answers = stages["serve"]["numbers"]["answers"]
     assert answers and all(a["tokens"] == a["reference"] and a["tokens"] for a in answers)
     serve = stages["serve"]["numbers"]
@@ -105,6 +108,11 @@ def test_the_probe_check_fails_on_a_bug_injected_into_the_pipelined_step(tmp_pat
     # by orders of magnitude, not by a hair: the bound separates rounding from a bug
     worst = float(re.search(r"worst max\|diff\| / max\|value\| = (\S+)", failed["detail"]).group(1))
     assert worst > 10 * stages["probe"]["numbers"]["rtol"], failed["detail"]
+    if fault == "perturb-weight":  # named in the pipelined dump with its stage, microbatch and pass
+        numbers = stages["probe"]["numbers"]
+        assert numbers["pipelined_first_divergence"].startswith(f"Cell.{module}."), numbers
+        assert numbers["pipelined_first_divergence_where"] == {"stage": 1, "microbatch": 0, "pass": "F"}, numbers
+        assert not checks["step 1 on the pipeline ranks: ms-probe finds no diverging module"]["passed"]
 
 
 def test_report_renders_in_headless_chromium(demo):

@@ -99,25 +99,28 @@ def _recompute_flags(config: PretrainConfig, mine: dict) -> tuple[dict[int, list
     return flags, plans
 
 
-def _build(group, config: PretrainConfig, init_dir: str):
-    """(runtime, this rank's parameters by name, the recompute plans' text)."""
+def _build(group, config: PretrainConfig, init_dir: str, probe=None, model=None):
+    """(runtime, this rank's parameters by name, the recompute plans' text). With a `probe`
+    (ms-probe's PrecisionDebugger) the runtime runs eagerly for it: modules are called as Cells
+    only in PyNative, B and W re-run the stage's forward inside ``ms.grad`` (dw="recompute"), and
+    no layer is recomputed (the forward a recompute repeats is what dw="recompute" repeats).
+    `model`: the model to cut (None: the initial checkpoint's)."""
     import mindspore as ms
 
     import ms_models
     import ms_pipeline as mp
 
-    model = ms_models.from_pretrained(init_dir)
+    model = ms_models.from_pretrained(init_dir) if model is None else model
     placement = mp.LayerPlacement.from_counts(config.blocks_per_stage)
     staged = mp.runtime.split_blocks(ms_models.pipeline_blocks(model), placement)
     schedule = mp.zero_bubble_v(config.ranks, config.microbatches)
     mine = {s: staged[s] for s in schedule.stages_of(group.rank)}
-    flags, plans = _recompute_flags(config, mine)
+    flags, plans = _recompute_flags(config, mine) if probe is None else ({}, {})
     params = {p.name: p for s in mine for b in mine[s] for p in b.get_parameters()}
     optimizer = ms.nn.Adam([p for p in params.values() if p.requires_grad], learning_rate=config.lr)
     shape = (config.micro_batch, config.seq, model.config.hidden_size)
-    runtime = mp.runtime.PipelineRuntime(
-        schedule, mine, group, activation_shape=shape, optimizer=optimizer, jit=True, recompute=flags
-    )
+    compiled = {"jit": True, "recompute": flags} if probe is None else {"dw": "recompute", "probe": probe}
+    runtime = mp.runtime.PipelineRuntime(schedule, mine, group, activation_shape=shape, optimizer=optimizer, **compiled)
     return runtime, params, plans
 
 

@@ -16,16 +16,21 @@ naming where a difference starts:
    out, another learning rate, a stale gradient).
 4. step 2: the same dump of the models holding the weights after step 1 (the pipeline's and the
    reference's), on the second batch, judged by ms-probe's rules.
+5. step 1 on the pipeline ranks: the two ranks run step 1 again under ms-probe with the weights
+   they began it with (stages/probe_pipelined.py); their dumps, every module per microbatch and
+   pass, merge and compare against the unsplit model stepping through the same microbatches; a
+   divergence is named with its stage, microbatch and pass (F, B, W).
 
 Comparisons 1 and 2 are judged twice: by ms-probe's own rules (cosine, error ratios, per-module
 checkers) and by a bound from float32 rounding, relative to each tensor's scale
 (demo/tolerance.py): the two runs did the same arithmetic in another order, so no tensor may
 differ by more than n * u of its magnitude. An absolute tolerance would not hold across CPUs and thread counts.
 
-Why not dump inside the pipelined step itself: it runs compiled (each stage's F, B and W are
-``mindspore.jit`` graphs over the blocks' explicit passes), where no module is called as a Cell
-and no dump hook runs; its recomputed layers also run their forward twice. The pipeline's own
-step-1 tensors (weights, gradients) are what it saves instead.
+Why comparison 5 re-runs step 1 instead of dumping the step that trained: that step runs
+compiled (each stage's F, B and W are ``mindspore.jit`` graphs over the blocks' explicit passes),
+where no module is called as a Cell and no dump hook runs. The re-run keeps the schedule, the
+ranks, their transfers, the weights and the batch, and runs eagerly; comparisons 2 and 3 check
+the compiled step's own gradients and update.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from common import TEXT, StageResult, batches, setup_mindspore, timed, tokenize
 from tolerance import UNIT_ROUNDOFF, Closeness, Rtol, closeness, float32_rtol, judge
 
 from stages.pretrain import PretrainConfig
+from stages.probe_pipelined import compare_pipelined_step
 
 
 @dataclass(frozen=True)
@@ -186,6 +192,17 @@ def run(config: ProbeConfig, pretrain: PretrainConfig, work: Path) -> StageResul
         s2, _, _, worst, values = _compare(pipelined, reference, ids2, labels2, probe_dir / "step2", rtol)
         result.check("step 2: ms-probe finds no diverging module", s2["first_divergence"] is None, _divergence(s2))
 
+        # 5. step 1 dumped on the pipeline ranks themselves, merged, against the microbatch loop
+        s5 = compare_pipelined_step(pretrain, str(init_dir), work)
+        where = s5["first_divergence_where"] or {}
+        result.check(
+            "step 1 on the pipeline ranks: ms-probe finds no diverging module",
+            s5["first_divergence"] is None,
+            _divergence(s5) + (f" in stage {where.get('stage')}, microbatch {where.get('microbatch')}, "
+                               f"pass {where.get('pass')}" if where else "")
+            + f"; {s5['compared_modules']} modules x microbatches compared, passes {s5['passes']}",
+        )  # fmt: skip
+
         result.numbers = {
             "aligned_items": s2["aligned_items"],
             "compared_tensors": len(values),
@@ -201,6 +218,11 @@ def run(config: ProbeConfig, pretrain: PretrainConfig, work: Path) -> StageResul
             "first_divergence_step1": s1["first_divergence"],
             "first_divergence": s2["first_divergence"],
             "report": str(probe_dir / "step2" / "compare" / "report.html"),
+            "pipelined_first_divergence": s5["first_divergence"],
+            "pipelined_first_divergence_where": s5["first_divergence_where"],
+            "pipelined_compared_modules": s5["compared_modules"],
+            "pipelined_passes": s5["passes"],
+            "pipelined_report": s5["report"],
             "rows": [
                 {"item": c.item, "key": c.key, "MaxAbsErr": c.max_abs_err, "scale": c.scale, "relative": c.relative}
                 for c in values

@@ -130,8 +130,10 @@ def test_merged_pipelined_dump_compares_clean_and_names_the_pass(tmp_path):
     files = write_results(run, tmp_path / "cmp")
     with sqlite3.connect(files["compare.vis.db"]) as db:
         micro = dict(db.execute("SELECT node_name, micro_step_id FROM tb_nodes WHERE graph_id = 'NPU_0_0'"))
+        golden_micro = dict(db.execute("SELECT node_name, micro_step_id FROM tb_nodes WHERE graph_id = 'Bench_0_0'"))
         (micro_steps,) = db.execute("SELECT micro_steps FROM tb_config").fetchone()
     assert micro_steps == M and micro["Cell.scale.Scale.backward.2"] == 2 and micro["Cell.fc.Dense.forward.1"] == 1
+    assert golden_micro["Cell.scale.Scale.backward.2"] == 2  # the golden's items sit in their counterparts' micro steps
 
     pipelined(tmp_path / "bad", TwoStageNet(k=1.05))
     bad = compare_dirs(str(tmp_path / "bad"), str(golden).rsplit("/step", 1)[0], merge_target_ranks=True).summary()

@@ -13,7 +13,7 @@ mapping, data-layout rules, merged pipeline ranks) is what the visualizer shows:
   from the root to the counterpart in the other graph. `precision_index` colours a target node by
   ms-probe's verdict: 0 pass, 0.45 warning, 1 error (msprobe's buckets [0, 0.3), [0.3, 0.6),
   [0.6, 1]); unmatched and skipped items have none (grey). `micro_step_id` is the microbatch of a
-  pipelined dump's item.
+  pipelined dump's item (on the golden side, that of its counterpart).
 - `tb_stack`: the call stacks, shared by id (a backward item shows its forward's stack).
 - `tb_config`: one row: compare, the dump mode, the colour legend, the ranks and steps.
 
@@ -173,7 +173,10 @@ def _rows(
         stack = json.dumps(_stack_of(graph, name))
         stack_id = stacks.setdefault(f"{graph_id}\0{stack}", f"{graph_id}_{len(stacks)}")
         children = graph.children.get(name, [])
+        # the microbatch: the item's own pass, or (golden side) its matched target item's
         where = item.where if item is not None else None
+        if where is None and matches.get(name) in other.items:
+            where = other.items[matches[name]].where
         node = {
             "id": f"{graph_id}_{name}",
             "graph_id": graph_id,

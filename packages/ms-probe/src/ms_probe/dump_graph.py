@@ -11,6 +11,12 @@ hook on each parameter records the parameter's gradient. The records go through 
 Recorder as the PyNative hooks, item names and statistics included, so a graph-mode dump compares
 with a PyNative one.
 
+On Ascend the probes are ``ops.tensordump`` calls (MindSpore's in-graph dump op, Ascend only; a
+custom ``bprop`` dumps the gradient): each writes ``{tag}_{dtype}_{id}.npy`` into a private
+folder as the graph runs, ``id`` a process-wide counter in execution order, and ``emit()`` reads
+them back as the same events (:func:`read_tensor_dumps`). That route cannot run here (no Ascend
+device; its test is marked ``ascend``); the file parsing is tested on CPU.
+
 Limits: the first four positional arguments and the first two outputs of a Cell are probed (a
 tuple output beyond that passes through); a probed Cell's class is a same-named subclass until
 ``stop()``; the step must be compiled while the probes are on
@@ -20,8 +26,13 @@ record only between ``start()`` and ``stop()``, though a graph compiled with the
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,9 +54,12 @@ class _Event:
 class GraphProbes:
     """Identity probes on every planned Cell and its parameters, and their records."""
 
-    def __init__(self, recorder, plan: list[tuple[Any, str, str, tuple[str, str] | None]]):
+    def __init__(self, recorder, plan: list[tuple[Any, str, str, tuple[str, str] | None]], dump_dir: str | None = None):
         self.recorder = recorder
         self.plan = plan
+        self.dump_dir = dump_dir
+        """Ascend: the folder the tensordump probes write to (None: pyfunc probes, CPU)."""
+        self._tags: dict[str, tuple[str, str, Any]] = {}  # file tag -> (path, kind, slot)
         self.handles: list[Any] = []
         self.events: list[_Event] = []
         self._counts: Counter = Counter()
@@ -61,9 +75,18 @@ class GraphProbes:
         self.events.append(_Event(path, kind, slot, self._counts[key], np.array(value)))
         self._counts[key] += 1
 
+    def _tag(self, path: str, kind: str, slot: Any) -> str:
+        """The file a tensordump probe writes (a short tag: module paths are not file names)."""
+        tag = f"probe{len(self._tags)}"
+        self._tags[tag] = (path, kind, slot)
+        return os.path.join(self.dump_dir, tag)
+
     def _probe(self, path: str, kind: str, slot: int):
         """An identity op recording its value as ``kind`` and its gradient as ``grad_<kind>``."""
         from mindspore import ops
+
+        if self.dump_dir is not None:
+            return _tensor_dump_probe(self._tag(path, kind, slot), self._tag(path, "grad_" + kind, slot))
 
         def backward(g):
             self._record(path, "grad_" + kind, slot, g)
@@ -82,6 +105,15 @@ class GraphProbes:
 
     def _param_probe(self, path: str, pname: str):
         from mindspore import ops
+
+        if self.dump_dir is not None:
+            file = self._tag(path, "param", pname)
+
+            def dump_hook(g):
+                ops.tensordump(file, g)
+                return g
+
+            return dump_hook
 
         def grad(g):
             self._record(path, "param", pname, g)
@@ -117,6 +149,9 @@ class GraphProbes:
         """Record from now on; the parameters are read now, before the step can update them."""
         self.events.clear()
         self._counts.clear()
+        if self.dump_dir is not None:  # what a graph wrote before this step is not this step's
+            shutil.rmtree(self.dump_dir, ignore_errors=True)
+            os.makedirs(self.dump_dir)
         self._values = {path: [(n, p.asnumpy().copy()) for n, p in own] for path, own in self._params.items()}
         self.recording = True
 
@@ -125,6 +160,10 @@ class GraphProbes:
         """Wait for the graph, then hand what the probes saw to the Recorder as dump items."""
         _wait_for_graphs()
         self.recording = False
+        if self.dump_dir is not None:
+            self.events = read_tensor_dumps(
+                self.dump_dir, self._tags, settle_s=float(os.environ.get("MS_DUMP_WAIT_TIME", 2))
+            )
         rec = self.recorder
         if not rec.active:
             return
@@ -180,6 +219,52 @@ def _wait_for_graphs() -> None:
         _pynative_executor.sync()
     else:
         ms.runtime.synchronize()
+
+
+_DUMP_FILE = re.compile(r"^(?P<tag>probe\d+)_(?P<dtype>[A-Za-z0-9]+)_(?P<id>\d+)\.npy$")
+
+
+def read_tensor_dumps(folder: str | os.PathLike, tags: dict[str, tuple[str, str, Any]], settle_s: float = 2.0) -> list:
+    """The events of the tensordump probes: files ``{tag}_{dtype}_{id}.npy`` (MindSpore's naming
+    for mode "out") in ``id`` order, each (path, kind, slot)'s n-th file its call n. TensorDump
+    writes asynchronously: the folder is read once it has not changed for ``settle_s`` seconds."""
+    folder = Path(folder)
+    seen, since = None, time.monotonic()
+    while True:
+        names = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+        if names != seen:
+            seen, since = names, time.monotonic()
+        elif time.monotonic() - since >= settle_s:
+            break
+        time.sleep(min(0.05, settle_s / 4 or 0.01))
+    files = []
+    for name in seen:
+        m = _DUMP_FILE.match(name)
+        if m is not None and m["tag"] in tags:
+            files.append((int(m["id"]), m["tag"], name))
+    counts: Counter = Counter()
+    events = []
+    for _id, tag, name in sorted(files):
+        path, kind, slot = tags[tag]
+        events.append(_Event(path, kind, slot, counts[(path, kind, slot)], np.load(folder / name, allow_pickle=False)))
+        counts[(path, kind, slot)] += 1
+    return events
+
+
+def _tensor_dump_probe(file: str, grad_file: str):
+    """An identity Cell that dumps its input, and in its bprop the gradient (Ascend graph mode)."""
+    from mindspore import nn, ops
+
+    class TensorDumpProbe(nn.Cell):
+        def construct(self, x):
+            ops.tensordump(file, x)
+            return x
+
+        def bprop(self, x, out, dout):
+            ops.tensordump(grad_file, dout)
+            return (dout,)
+
+    return TensorDumpProbe()
 
 
 def _same(x):

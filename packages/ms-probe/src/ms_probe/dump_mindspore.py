@@ -329,15 +329,19 @@ class MindSporeDumper:
         from .dump_graph import GraphProbes
 
         device = ms.get_context("device_target")
-        if device != "CPU":
+        if device not in ("CPU", "Ascend"):
             raise ProbeError(
-                f"jit='graph' probes with pyfunc ops, which run on the CPU device only, not on {device}; "
-                "on Ascend use MindSpore's kernel dump (MINDSPORE_DUMP_CONFIG) or jit='pynative'"
+                f"jit='graph' probes with pyfunc ops (CPU) or ops.tensordump (Ascend), not on {device}; "
+                "use jit='pynative'"
             )
         if self.graph is None:
             if self.recorder.cfg.level in ("L1", "mix"):
                 log.warning("ms-probe: jit='graph' dumps Cells only (level L0); functional ops are not wrapped")
-            self.graph = GraphProbes(self.recorder, self.plan)
+            # Ascend: ops.tensordump probes write into a private folder beside the dump (dump_graph.py)
+            dump_dir = None
+            if device == "Ascend":
+                dump_dir = os.path.join(self.recorder.cfg.dump_path, f".tensordump-rank{self.recorder.rank}")
+            self.graph = GraphProbes(self.recorder, self.plan, dump_dir)
             self.graph.install()
         self.graph.start()
 

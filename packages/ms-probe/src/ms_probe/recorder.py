@@ -23,7 +23,7 @@ import numpy as np
 
 from .config import DumpConfig
 from .naming import api_item, module_item, param_grad_item
-from .stats import STAT_KEYS, scalar_info, tensor_info
+from .stats import scalar_info, tensor_info
 from .stats_worker import StatsWorker
 from .writer import DumpWriter
 
@@ -192,15 +192,20 @@ class Recorder:
         a = self.adapter
         if a.is_tensor(value):
             arr = a.to_numpy(value)
-            if self.cfg.async_dump and not tensors and self.cfg.summary_mode == "statistics":
-                return self._capture_later(value, arr)
+            later = self.cfg.async_dump and not tensors and self.cfg.summary_mode == "statistics"
             info = tensor_info(
                 arr,
                 type_name=a.type_name,
                 dtype_name=a.dtype_name(value),
                 summary_mode=self.cfg.summary_mode,
                 requires_grad=a.requires_grad(value),
+                statistics=not later,
             )
+            if later:  # async_dump: the worker thread fills the statistics; the tensor lives until then
+                if self._stats is None:
+                    self._stats = StatsWorker()
+                self._stats.submit(info, arr, value)
+                return info
             if tensors:
                 info["data_name"] = self.writer.save_tensor(data_name, arr)
             return info
@@ -210,19 +215,6 @@ class Recorder:
             return [self.capture(v, f"{data_name}.{i}", tensors) for i, v in enumerate(value)]
         other = a.other_info(value)
         return other if other is not None else scalar_info(value)
-
-    def _capture_later(self, value: Any, arr: Any) -> dict[str, Any]:
-        """The record of a tensor whose statistics the worker thread fills (async_dump)."""
-        a = self.adapter
-        info: dict[str, Any] = {"type": a.type_name, "dtype": a.dtype_name(value), "shape": [int(s) for s in arr.shape]}
-        info.update(dict.fromkeys(STAT_KEYS))
-        requires_grad = a.requires_grad(value)
-        if requires_grad is not None:
-            info["requires_grad"] = bool(requires_grad)
-        if self._stats is None:
-            self._stats = StatsWorker()
-        self._stats.submit(info, arr, value)
-        return info
 
     def _capture_inputs(self, name: str, args: tuple, kwargs: dict, tensors: bool) -> dict[str, Any]:
         return {

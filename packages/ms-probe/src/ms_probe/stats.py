@@ -62,7 +62,8 @@ def _norm(flat: np.ndarray) -> float:
     when the float32 dot overflows (a -3.4e38 attention mask does: BLAS sets no numpy warning)."""
     square = float(np.dot(flat, flat))
     if not math.isfinite(square) and flat.dtype != np.float64:
-        square = float(np.dot(flat.astype(np.float64), flat.astype(np.float64)))
+        wide = flat.astype(np.float64)
+        square = float(np.dot(wide, wide))
     return math.sqrt(square) if math.isfinite(square) else square
 
 
@@ -113,10 +114,12 @@ def tensor_info(
     dtype_name: str,
     summary_mode: str = "statistics",
     requires_grad: bool | None = None,
+    statistics: bool = True,
 ) -> dict[str, Any]:
-    """The dump.json record of one tensor given as a numpy array (already on the host)."""
+    """The dump.json record of one tensor given as a numpy array (already on the host);
+    `statistics=False` leaves Max/Min/Mean/Norm None, for a caller that fills them later."""
     info: dict[str, Any] = {"type": type_name, "dtype": dtype_name, "shape": [int(s) for s in a.shape]}
-    info.update(array_stats(a))
+    info.update(array_stats(a) if statistics else dict.fromkeys(STAT_KEYS))
     if summary_mode == "md5":
         info["md5"] = crc32_hex(a)
     if requires_grad is not None:

@@ -93,3 +93,33 @@ def test_save_rejects_bad_shards(tmp_path):
     with pytest.raises(ReshardError, match="no shards given"):
         save_checkpoint(tmp_path / "c", specs, {})
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("dst", [ParallelConfig(dp=3, optimizer_shard=True), ParallelConfig(tp=4), ParallelConfig()])
+def test_read_rank_gives_each_target_rank_its_shards_from_the_source_files(tmp_path, dst):
+    from ms_reshard import model_plan, read_rank
+
+    weights = _save(tmp_path / "ckpt")
+    specs, _ = load_checkpoint(tmp_path / "ckpt")
+    target = param_specs(llama_shapes(2), dst, num_layers=2)
+    plan = model_plan(specs, target)
+    files = {r: tmp_path / "ckpt" / f"rank_{r:05d}.safetensors" for r in range(4)}
+    ranks = sorted({r for s in target.values() for r in s.layout.ranks})
+    for rank in ranks:
+        got = read_rank(plan, rank, files)
+        held = {n for n, s in target.items() if rank in s.layout.ranks}
+        assert set(got) == held
+        for name in held:
+            spec = target[name]
+            np.testing.assert_array_equal(got[name], weights[name][spec.layout.global_slice(spec.shape, rank)])
+
+
+def test_read_rank_names_a_missing_source_file(tmp_path):
+    from ms_reshard import model_plan, read_rank
+
+    _save(tmp_path / "ckpt")
+    specs, _ = load_checkpoint(tmp_path / "ckpt")
+    plan = model_plan(specs, param_specs(llama_shapes(2), ParallelConfig(), num_layers=2))
+    files = {r: tmp_path / "ckpt" / f"rank_{r:05d}.safetensors" for r in range(3)}  # rank 3's left out
+    with pytest.raises(ReshardError, match="rank 3, which has no file"):
+        read_rank(plan, 0, files)

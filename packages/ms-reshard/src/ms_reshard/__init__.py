@@ -12,7 +12,7 @@ import importlib
 from typing import Any
 
 from . import serialize as _serialize  # registers the plan kinds with ms_layout.dumps/loads
-from .checkpoint import load_checkpoint, load_manifest, reshard_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, load_manifest, read_rank, reshard_checkpoint, save_checkpoint
 from .errors import ReshardError
 from .fusion import DEFAULT_FUSIONS, FusionRule, load_rules, rules_from_data
 from .local import apply_local, apply_model_local
@@ -48,6 +48,7 @@ __all__ = [
     "plan",
     "plan_from_bytes",
     "plan_to_bytes",
+    "read_rank",
     "reshard_checkpoint",
     "reshard_parameters",
     "rules_from_data",

@@ -56,6 +56,7 @@ __all__ = [
     "load_checkpoint",
     "load_manifest",
     "manifest_specs",
+    "read_rank",
     "reshard_checkpoint",
     "save_checkpoint",
     "sha256_file",
@@ -231,10 +232,7 @@ def reshard_checkpoint(
 
     src_dir = Path(src_dir)
     files = {r: _file_path(src_dir, r, e) for r, e in check_files(manifest).items()}
-    by_rank: dict[int, list] = {}
-    for move in plan.moves:
-        for rank, pieces in move.plan.sources_by_rank().items():
-            by_rank.setdefault(rank, []).append((move, pieces))
+    by_rank = _pieces_by_rank(plan)
     bar = _bar(len(by_rank), "write ranks", progress)
     with contextlib.ExitStack() as stack, atomic_dir(Path(dst_dir), overwrite) as tmp:
         readers: dict[int, Any] = {}
@@ -250,6 +248,29 @@ def reshard_checkpoint(
     if bar is not None:
         bar.close()
     return out
+
+
+def read_rank(plan: ModelPlan, rank: int, files: Mapping[int, str | os.PathLike]) -> dict[str, np.ndarray]:
+    """Target rank `rank`'s shards under `plan`, each piece read straight from the safetensors file
+    of the source rank the plan names (``files``: {source rank: path}, checked by the caller).
+
+    safetensors reads slices lazily, so a rank reads only the bytes it holds afterwards: this is
+    how a job resumes on another number of ranks from the files its previous run wrote."""
+    from safetensors import safe_open
+
+    pieces = _pieces_by_rank(plan).get(rank, [])
+    paths = {int(r): Path(f) for r, f in files.items()}
+    with contextlib.ExitStack() as stack:
+        return _assemble(plan, rank, pieces, paths, {}, stack, safe_open)
+
+
+def _pieces_by_rank(plan: ModelPlan) -> dict[int, list]:
+    """{target rank: [(move, [(source rank, global box), ...]), ...]} over the plan's moves."""
+    by_rank: dict[int, list] = {}
+    for move in plan.moves:
+        for rank, pieces in move.plan.sources_by_rank().items():
+            by_rank.setdefault(rank, []).append((move, pieces))
+    return by_rank
 
 
 def _assemble(plan: ModelPlan, rank: int, moves, files, readers, stack, safe_open) -> dict[str, np.ndarray]:

@@ -13,8 +13,9 @@ from ..errors import CheckpointError, RLHFError
 
 log = logging.getLogger("ms_rlhf")
 
-#: config keys a resumed run may change; anything else must match the checkpoint's config
-RESUMABLE_CHANGES = {"steps", "checkpoint_dir", "checkpoint_every", "keep_checkpoints"}
+#: config keys a resumed run may change (optimizer_shard is a layout: resharded on resume, like a new
+#: number of ranks); anything else must match the checkpoint's config
+RESUMABLE_CHANGES = {"steps", "checkpoint_dir", "checkpoint_every", "keep_checkpoints", "optimizer_shard"}
 
 
 def _resume_path(config: TrainConfig, resume: str | None, group) -> tuple[str | None, list[dict[str, str]]]:

@@ -32,6 +32,7 @@ from ..config import TrainConfig
 from ..errors import CheckpointError, RLHFError
 from ..sampling import split
 from ..tasks import PromptStream, make_task
+from . import elastic
 from .experience import make_experience, micro_batches, weights_for
 from .group import all_gather_objects, world_group
 from .policy import PolicyFunctions, build_model, response_values, row_weights
@@ -248,9 +249,18 @@ class GRPOTrainer:
         return checkpoint.save(directory, self.step_count, arrays, state, self.group, self.config.keep_checkpoints)
 
     def load_checkpoint(self, path: str) -> None:
-        """Restore a checkpoint written by save_checkpoint with the same number of ranks, then
-        reshard the restored weights into the training, rollout and reference models."""
-        arrays, state = checkpoint.load(path, int(self.group.ranks[self.rank]), self.world)
+        """Restore a checkpoint written by save_checkpoint, then reshard the restored weights into
+        the training, rollout and reference models. A checkpoint of another number of ranks or
+        optimizer sharding is resharded into this run's layout first (elastic.py)."""
+        path = checkpoint.resolve(path)
+        manifest = checkpoint.read_manifest(path)
+        state = checkpoint.read_state(path, manifest)
+        rank, shard = int(self.group.ranks[self.rank]), self.config.optimizer_shard
+        if manifest["world_size"] == self.world and elastic.saved_sharding(path, state) == shard:
+            arrays, state = checkpoint.load(path, rank, self.world)
+        else:
+            arrays = elastic.load(path, manifest, state, self.model.config, rank, self.world, shard)
+            log.info("resharded %s from %d to %d ranks", path, manifest["world_size"], self.world)
         try:
             self._restore(arrays, state)
         except RLHFError:

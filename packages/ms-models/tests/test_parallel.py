@@ -4,6 +4,8 @@ from a model in memory equals the one read from its checkpoint."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -136,3 +138,64 @@ def test_plan_errors_name_the_value():
         local_config(tiny_config("llama"), ShardPlan(4, 0))
     with pytest.raises(ParallelError, match="rank=3"):
         ShardPlan(2, 3)
+
+
+def _training_rank(group, arch):
+    """Loss and gradients of a TP training shard on packed rows (two samples in one row)."""
+    import mindspore as ms
+
+    from ms_models import from_config, tiny_config
+    from ms_models.parallel import training_shard
+
+    ms.set_device("CPU")
+    net = training_shard(from_config(tiny_config(arch), seed=3), group)
+    return _loss_and_grads(net)
+
+
+def _loss_and_grads(model):
+    """Cross-entropy of a packed row and {parameter name: gradient}, computed in PyNative."""
+    import mindspore as ms
+    from mindspore import Tensor, ops
+
+    rng = np.random.default_rng(0)
+    ids = Tensor(rng.integers(0, model.config.vocab_size, (2, 12)).astype(np.int32))
+    positions = Tensor(np.array([list(range(7)) + list(range(5))] * 2, np.int32))
+    segments = Tensor(np.array([[0] * 7 + [1] * 5] * 2, np.int32))
+    targets = Tensor(rng.integers(0, model.config.vocab_size, (2, 12)).astype(np.int32))
+    names = [n for n, _ in model.parameters_and_names()]
+    params = [p for _, p in model.parameters_and_names()]
+
+    def loss(ids, positions, segments, targets):
+        logp = ops.log_softmax(model(ids, positions, segments), -1)
+        return -ops.gather_elements(logp, -1, targets.expand_dims(-1)).mean()
+
+    value, grads = ms.value_and_grad(loss, None, params)(ids, positions, segments, targets)
+    return float(value.asnumpy()), {n: g.asnumpy() for n, g in zip(names, grads)}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_training_shard_tp2_gradients_match_one_process(run_ranks, arch):
+    """Megatron's f and g make the shard's backward the full model's: each rank's gradient of a
+    sharded weight is its slice of the full gradient (training_layouts says which), and every
+    replicated weight gets the full gradient on both ranks."""
+    import mindspore as ms
+
+    from ms_layout import ParallelConfig
+    from ms_models import from_config, tiny_config
+    from ms_models.parallel import training_layouts
+
+    ms.set_device("CPU")
+    config = tiny_config(arch)
+    want_loss, want = _loss_and_grads(from_config(config, seed=3))
+    results = run_ranks(_training_rank, nprocs=2, timeout=300, args=(arch,))
+    layouts = training_layouts(config, ParallelConfig(tp=2))
+    sharded = 0
+    for rank, (loss, grads) in enumerate(results):
+        assert abs(loss - want_loss) <= RTOL * abs(want_loss)
+        assert set(grads) == set(want)
+        for name, grad in grads.items():
+            index = layouts[name].global_slice(want[name].shape, rank)
+            sharded += grad.shape != want[name].shape
+            assert_close(grad, want[name][index], RTOL, f"TP=2 gradient of {name}, rank {rank}")
+    projections = [n for n in want if re.search(r"(q|k|v|o|gate|up|down)_proj\.(weight|bias)$", n)]
+    assert sharded == 2 * len(projections) > 0  # each rank holds a slice of every projection, nothing else

@@ -13,6 +13,9 @@ Sharding
     local_config(config, plan), shard_cells(model, full_config, plan, group),
     shard_tensors / read_shards (this rank's slices, lazily read), build_tp_model(path, plan, group),
     shard_model(model, plan, group).
+Training
+    training_shard(model, group): a dense model's TP shard that trains in PyNative (Megatron's f as
+    CopiedRMSNorm, g as reduce_from_tp); training_layouts(config, parallel_config): its Layouts.
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ _WHERE = {
     "shard_cells": "shard",
     "shard_model": "shard",
     "shard_tensors": "shard",
+    "reduce_from_tp": "layers",
+    "CopiedRMSNorm": "training",
+    "training_layouts": "training",
+    "training_shard": "training",
 }
 
 
@@ -54,6 +61,7 @@ def __dir__():
 
 
 __all__ = [
+    "CopiedRMSNorm",
     "CopyToTP",
     "DispatchMoE",
     "ParallelError",
@@ -67,7 +75,10 @@ __all__ = [
     "defer_collectives",
     "local_config",
     "read_shards",
+    "reduce_from_tp",
     "shard_cells",
     "shard_model",
     "shard_tensors",
+    "training_layouts",
+    "training_shard",
 ]

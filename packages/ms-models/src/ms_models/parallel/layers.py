@@ -7,6 +7,7 @@
                                       plus shared-expert partials, one all-reduce per layer
     VocabParallelEmbedding            rows outside the rank's vocabulary slice are zero; all-reduce
     CopyToTP                          Megatron's f (training): identity forward, all-reduce of the gradient
+    reduce_from_tp                    Megatron's g (training): all-reduce forward, gradient passed through
     DispatchMoE                       DP attention + EP: router and shared experts whole on every rank;
                                       the rank's tokens go to their experts' ranks and back by
                                       all-to-all (dispatch.py), no all-reduce
@@ -32,6 +33,13 @@ def all_reduce(x: Tensor, group) -> Tensor:
     return Tensor.from_numpy(arr)
 
 
+def reduce_from_tp(x: Tensor, group) -> Tensor:
+    """Megatron's g: the sum of x over the group in the forward; in the backward each rank's partial
+    gets the sum's gradient unchanged. The sum enters as a constant plus (x - x), exactly zero, so
+    the value is the sum bit for bit and the tape keeps no second tensor."""
+    return ops.stop_gradient(all_reduce(x, group)) + (x - ops.stop_gradient(x))
+
+
 class CopyToTP(nn.Cell):
     """Megatron's f: identity in the forward; the gradient is all-reduced over the TP group."""
 
@@ -51,6 +59,8 @@ class RowParallelLinear(nn.Cell):
 
     defer = False
     """True: return the partial sum x_local W_local^T (the caller all-reduces and adds the bias)."""
+    grad_through = False
+    """True: the all-reduce is Megatron's g (reduce_from_tp), so the layer trains in PyNative."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group):
         super().__init__()
@@ -67,7 +77,7 @@ class RowParallelLinear(nn.Cell):
         y = linear(x, self.weight)
         if self.defer:
             return y
-        y = all_reduce(y, self.group)
+        y = reduce_from_tp(y, self.group) if self.grad_through else all_reduce(y, self.group)
         return y if self.bias is None else y + self.bias
 
 
@@ -212,4 +222,5 @@ __all__ = [
     "VocabParallelEmbedding",
     "all_reduce",
     "defer_collectives",
+    "reduce_from_tp",
 ]

@@ -3,7 +3,7 @@
 One job, driven from the test while it runs: every rank's samples reach the daemon, /metrics parses
 as Prometheus text, ``ms-monitor trace`` captures 3 steps of all ranks into one Chrome trace while
 the job keeps going, the daemon is killed and restarted and the agents reconnect, and finally rank
-2 starts sleeping in its step and is flagged as the slow rank within 5 steps.
+2 starts sleeping in its step and is flagged as the slow rank within 6 steps.
 """
 
 from __future__ import annotations
@@ -167,6 +167,6 @@ def test_four_rank_job_monitored_traced_and_straggler_found(tmp_path, sock_dir):
     assert not errors, errors
     assert alert["rank"] == SLOW_RANK
     first_slow = results[SLOW_RANK]["first_slow"]
-    assert first_slow <= alert["step"] <= first_slow + 4  # within 5 steps of the first slow one
+    assert first_slow <= alert["step"] <= first_slow + 5  # by its 6th slow step (slow_steps: a burst lasts 3-5)
     assert [a for a in during if a["rank"] != SLOW_RANK] == []  # no other rank is blamed
     assert all(r["connects"] >= 2 for r in results)  # every agent reconnected to the new daemon

@@ -92,6 +92,9 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         slow_ratio=args.slow_ratio,
         slow_steps=args.slow_steps,
         slow_excess_seconds=args.slow_excess,
+        slow_window=args.slow_window,
+        slow_window_ratio=args.slow_window_ratio,
+        slow_window_fraction=args.slow_window_fraction,
         regress_ratio=args.regress_ratio,
         jitter_cv=args.jitter_cv,
     )
@@ -245,11 +248,26 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--jsonl", help="append samples and alerts to this JSON-lines file")
     d.add_argument("--tensorboard", help="write TensorBoard scalars under this directory")
     d.add_argument("--window", type=int, default=600, help="samples kept per rank")
-    d.add_argument("--slow-ratio", type=float, default=1.3)
-    d.add_argument("--slow-steps", type=int, default=3)
+    dc = DetectorConfig()
+    d.add_argument("--slow-ratio", type=float, default=dc.slow_ratio, help="busy / peers' median of a slow step")
     d.add_argument(
-        "--slow-excess", type=float, default=0.5, help="seconds a straggler must cost over its peers before an alert"
+        "--slow-steps", type=int, default=dc.slow_steps, help="slow steps in a row that raise (longer than a burst)"
     )
+    d.add_argument(
+        "--slow-excess",
+        type=float,
+        default=dc.slow_excess_seconds,
+        help="... once their busy seconds over the peers' median add up to this (big stragglers, raised fast)",
+    )
+    d.add_argument(
+        "--slow-window",
+        type=int,
+        default=dc.slow_window,
+        help="steps of the persistent-straggler test (small stragglers, 0: off); it raises when the busy time "
+        "was >= --slow-window-ratio x the peers' median in --slow-window-fraction of them",
+    )
+    d.add_argument("--slow-window-ratio", type=float, default=dc.slow_window_ratio)
+    d.add_argument("--slow-window-fraction", type=float, default=dc.slow_window_fraction)
     d.add_argument("--regress-ratio", type=float, default=1.3)
     d.add_argument("--jitter-cv", type=float, default=0.35)
     d.add_argument("--ready-file", help="write the bound addresses as JSON to this file once listening")

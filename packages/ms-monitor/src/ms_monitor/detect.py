@@ -7,11 +7,13 @@ Three detectors, each robust to the odd slow step that every busy machine produc
   parallelism a straggler makes every rank's *step* time grow (the others wait in the all-reduce),
   while only the straggler's busy time grows. A rank is slow in a step when its busy time exceeds
   the median of the other ranks by ``slow_ratio`` *and* by ``slow_z`` robust standard deviations
-  (1.4826 x MAD) of the others; ``slow_steps`` consecutive slow steps raise the alert once the
-  rank's excess over its peers in that run adds up to ``slow_excess_seconds``. The last condition
-  is what tells a straggler from a rank the host deschedules for a moment: on a loaded machine one
-  rank's busy time can be 3-6x its peers' for 3-5 steps in a row (measured on 4 ranks over 2 cores),
-  but such a burst costs the job a fraction of a second; a real straggler keeps costing.
+  (1.4826 x MAD) of the others. Two tests raise the alert, both built to ignore a rank the host
+  deschedules for a moment (on a loaded machine one rank's busy time can be 3-6x its peers' for
+  3-5 steps in a row, measured on 4 ranks over 2 cores), which only its duration tells from a
+  straggler: ``slow_steps`` (6) slow steps in a row whose excess over the peers' median adds up to
+  ``slow_excess_seconds`` (a big straggler, raised fast), or, over the last ``slow_window`` steps, a
+  share ``slow_window_fraction`` of steps at ``slow_window_ratio`` x the peers' median or more (a
+  small one: ``straggler.py`` says why that test, and what it costs).
 * **regression** (per rank, against its own past): the median of the last ``recent_steps`` step
   times against the median of the ``baseline_steps`` steps after warm-up.
 * **jitter** (per rank): the spread of consecutive differences, ``1.4826 * median(|x_i - x_i-1|) /
@@ -25,6 +27,7 @@ signal hovering at a threshold does not flood the alert list.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import deque
@@ -33,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from .errors import MonitorError
+from .straggler import RatioWindow
 
 MAD_TO_SIGMA = 1.4826
 KINDS = ("slow_rank", "regression", "jitter")
@@ -46,10 +50,16 @@ class DetectorConfig:
     """a rank is slow in a step when its busy time is at least this multiple of the peers' median"""
     slow_z: float = 4.0
     """... and exceeds that median by this many robust standard deviations of the peers"""
-    slow_steps: int = 3
-    """consecutive slow steps that raise a slow-rank alert"""
+    slow_steps: int = 6
+    """consecutive slow steps that raise a slow-rank alert (a descheduling burst lasts 3-5)"""
     slow_excess_seconds: float = 0.5
     """... once the rank's busy time over its peers' median, summed over those steps, reaches this"""
+    slow_window: int = 15
+    """steps of the persistent-straggler test (``straggler.py``), which also raises it; 0 turns it off"""
+    slow_window_ratio: float = 1.07
+    """... raised when the rank's busy time was at least this multiple of its peers' median ..."""
+    slow_window_fraction: float = 0.85
+    """... in at least this share of the window's steps"""
     warmup_steps: int = 3
     """first steps of each rank that no detector looks at (graph compilation, cache warm-up)"""
     baseline_steps: int = 20
@@ -83,6 +93,15 @@ class DetectorConfig:
             or self.sustain_seconds < 0
         ):
             raise MonitorError(f"DetectorConfig has a negative threshold: {self}")
+        if self.slow_window != int(self.slow_window) or not (self.slow_window == 0 or self.slow_window >= 4):
+            raise MonitorError(f"DetectorConfig.slow_window={self.slow_window!r} must be 0 (off) or an integer >= 4")
+        if not self.slow_window_ratio > 1.0:
+            raise MonitorError(f"DetectorConfig.slow_window_ratio={self.slow_window_ratio!r} must be above 1")
+        if not 0.5 < self.slow_window_fraction <= 1.0:
+            raise MonitorError(
+                f"DetectorConfig.slow_window_fraction={self.slow_window_fraction!r} must be in (0.5, 1]:"
+                " a rank with no straggler is above its peers' median in about half the steps"
+            )
 
 
 @dataclass
@@ -126,23 +145,43 @@ def robust_stats(values: Sequence[float]) -> tuple[float, float]:
     return med, MAD_TO_SIGMA * median([abs(v - med) for v in values])
 
 
-#: from this many ranks on, one rank's own value barely moves the median: compare every rank with
-#: the statistics of all ranks (one sort per step instead of one per rank)
+#: from this many ranks on, one rank's own value barely moves the spread: every rank's z test uses
+#: the robust standard deviation of all ranks (one sort per step instead of one per rank); the
+#: median of its peers is still exact (read off the same sort), since the windowed test counts steps
+#: a few percent over it and a straggler in the upper half moves the median of all ranks up
 LEAVE_ONE_OUT_BELOW = 8
 
 
-def slow_ranks(busy: dict[int, float], cfg: DetectorConfig) -> dict[int, float]:
-    """Ranks slow in one step -> the median busy time of their peers."""
+def peer_stats(busy: dict[int, float]) -> dict[int, tuple[float, float]]:
+    """Rank -> median and robust standard deviation of its peers' busy times in one step."""
     if len(busy) < 2:
         return {}
     ranks = list(busy)
     values = [float(busy[r]) for r in ranks]
-    shared = robust_stats(values) if len(values) >= LEAVE_ONE_OUT_BELOW else None
+    if len(values) < LEAVE_ONE_OUT_BELOW:
+        return {rank: robust_stats(values[:i] + values[i + 1 :]) for i, rank in enumerate(ranks)}
+    sigma = robust_stats(values)[1]
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ordered = [values[i] for i in order]
+    n = len(values) - 1  # peers
+
+    def peers_median(pos: int) -> float:  # median of `ordered` without the value at `pos`
+        lo, hi = (n - 1) // 2, n // 2
+        lo, hi = lo + (lo >= pos), hi + (hi >= pos)
+        return (ordered[lo] + ordered[hi]) / 2.0
+
+    return {ranks[i]: (peers_median(pos), sigma) for pos, i in enumerate(order)}
+
+
+def slow_ranks(
+    busy: dict[int, float], cfg: DetectorConfig, stats: dict[int, tuple[float, float]] | None = None
+) -> dict[int, float]:
+    """Ranks slow in one step -> the median busy time of their peers."""
+    stats = peer_stats(busy) if stats is None else stats
     out = {}
-    for i, rank in enumerate(ranks):
-        med, sigma = shared or robust_stats(values[:i] + values[i + 1 :])
-        x = values[i]
-        z_ok = len(values) < 4 or x - med > cfg.slow_z * sigma
+    for rank, (med, sigma) in stats.items():
+        x = float(busy[rank])
+        z_ok = len(stats) < 4 or x - med > cfg.slow_z * sigma
         if x > cfg.slow_ratio * med and z_ok:
             out[rank] = med
     return out
@@ -168,6 +207,7 @@ class _RankState:
         self.runs: dict[str, list[int]] = {}
         self.since: dict[str, float | None] = {}
         self.slow_excess = 0.0  # busy seconds over the peers' median in the current run of slow steps
+        self.ratios = RatioWindow(cfg.slow_window)  # busy / peers' median, for the persistent test
         self.active: dict[str, Alert] = {}
 
 
@@ -282,27 +322,38 @@ class Detector:
         """One step of all ranks (rank -> busy seconds): the slow-rank detector."""
         cfg = self.config
         eligible = {r: t for r, t in busy.items() if self._state(r).seen > cfg.warmup_steps}
-        slow = slow_ranks(eligible, cfg)
+        stats = peer_stats(eligible)
+        slow = slow_ranks(eligible, cfg, stats)
         out: list[Alert] = []
         for rank, x in eligible.items():
-            med, st = slow.get(rank, 0.0), self._state(rank)
+            peers, st = stats[rank][0] if stats else 0.0, self._state(rank)
+            med = slow.get(rank, peers)
             st.slow_excess = st.slow_excess + x - med if rank in slow else 0.0
+            persistent = False
+            if cfg.slow_window and peers > 0:
+                st.ratios.push(x / peers)
+                persistent = st.ratios.persistent(cfg.slow_window_ratio, cfg.slow_window_fraction)
 
-            def make(rank: int = rank, x: float = x, med: float = med) -> Alert:
-                msg = f"rank {rank} busy {x * 1e3:.1f} ms vs peers' median {med * 1e3:.1f} ms ({x / med:.2f}x)"
+            def make(rank: int = rank, x: float = x, med: float = med, w: RatioWindow | None = None) -> Alert:
+                ratio = x / med if med > 0 else math.inf
+                msg = f"rank {rank} busy {x * 1e3:.1f} ms vs peers' median {med * 1e3:.1f} ms ({ratio:.2f}x)"
+                if w is not None:
+                    share = w.fraction_at_least(cfg.slow_window_ratio)
+                    msg += f"; >= {cfg.slow_window_ratio:g}x its peers in {share:.0%} of the last {len(w.ratios)} steps"
                 return Alert(rank, "slow_rank", step, x, med, msg)
 
-            # raise fast (a straggler holds up every rank), resolve after hold_steps normal steps
+            # raise fast (a straggler holds up every rank), resolve after hold_steps normal steps; the
+            # windowed test already spans slow_window steps, so it raises at once
             resolve = max(cfg.slow_steps, cfg.hold_steps)
             out += self._judge(
                 st,
                 "slow_rank",
                 step,
-                rank in slow,
-                rank not in slow,
-                make,
-                cfg.slow_steps,
+                rank in slow or persistent,
+                rank not in slow and not persistent,
+                functools.partial(make, w=st.ratios if persistent else None),
+                1 if persistent else cfg.slow_steps,
                 resolve_hold=resolve,
-                enough=st.slow_excess >= cfg.slow_excess_seconds,
+                enough=persistent or st.slow_excess >= cfg.slow_excess_seconds,
             )
         return out

@@ -154,13 +154,13 @@ def test_no_false_alert_in_250_noisy_steps_with_descheduling_bursts():
     assert blamed_by_first_version >= 5
 
 
-def window_reference(steps, rank, window=15, share=0.85, ratio=1.07, warmup=3, resolve=6):
+def window_reference(steps, rank, window=15, share=0.85, ratio=1.07, spread=1.5, warmup=3, resolve=6):
     """The windowed test recomputed with numpy: the steps at which it raises and resolves for `rank`."""
     busy = np.array([[s[r] for r in sorted(s)] for s in steps])[warmup:]
-    peers = np.delete(busy, rank, axis=1)
-    elevated = busy[:, rank] / np.median(peers, axis=1) >= ratio
-    counts = np.convolve(elevated, np.ones(window, int))[window - 1 : len(elevated)]  # full windows
-    persistent = counts >= np.ceil(share * window)
+    ratios = busy[:, rank] / np.median(np.delete(busy, rank, axis=1), axis=1)
+    windows = np.sort(np.lib.stride_tricks.sliding_window_view(ratios, window), axis=1)  # full windows
+    steady = windows[:, window // 2] / windows[:, window // 4] <= spread
+    persistent = ((windows >= ratio).sum(axis=1) >= np.ceil(share * window)) & steady
     first = int(np.argmax(persistent))
     quiet = np.convolve(~persistent[first:], np.ones(resolve, int))[: len(persistent) - first] == resolve
     step = warmup + window  # the step of the first full window
@@ -211,6 +211,12 @@ def test_ratio_window_counts_bursts_like_any_slow_step():
     for r in [1.1] * 3:  # three more elevated steps, however small: 13 of 15 (the oldest fall out)
         w.push(r)
     assert w.fraction_at_least(1.07) == pytest.approx(13 / 15) and w.persistent(1.07, 0.85)
+    # ... but not steady: sorted 1, 1, 1.1 x 3, 5 x 5, 6 x 5, the median (5) is 5 / 1.1 of the lower quartile
+    assert w.lower_spread() == pytest.approx(5 / 1.1) and not w.persistent(1.07, 0.85, 1.5)
+    # a steady straggler (1.2x) that the host descheduled for 5 of its steps is
+    for r in [1.0] * 2 + [1.2] * 4 + [5.0] * 5 + [1.2] * 4:
+        w.push(r)
+    assert w.lower_spread() == pytest.approx(1.0) and w.persistent(1.07, 0.85, 1.5)
     assert not RatioWindow(15).persistent(1.07, 0.85)  # an empty window says nothing
 
 
@@ -260,6 +266,7 @@ def test_warmup_steps_are_ignored():
         {"slow_window_ratio": 1.0},
         {"slow_window_fraction": 0.5},
         {"slow_window_fraction": 1.2},
+        {"slow_window_spread": 1.0},
     ],
 )
 def test_bad_config_is_refused(kw):

@@ -95,6 +95,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         slow_window=args.slow_window,
         slow_window_ratio=args.slow_window_ratio,
         slow_window_fraction=args.slow_window_fraction,
+        slow_window_spread=args.slow_window_spread,
         regress_ratio=args.regress_ratio,
         jitter_cv=args.jitter_cv,
     )
@@ -268,6 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--slow-window-ratio", type=float, default=dc.slow_window_ratio)
     d.add_argument("--slow-window-fraction", type=float, default=dc.slow_window_fraction)
+    d.add_argument(
+        "--slow-window-spread",
+        type=float,
+        default=dc.slow_window_spread,
+        help="... with steady ratios: median over lower quartile of the window at most this",
+    )
     d.add_argument("--regress-ratio", type=float, default=1.3)
     d.add_argument("--jitter-cv", type=float, default=0.35)
     d.add_argument("--ready-file", help="write the bound addresses as JSON to this file once listening")

@@ -9,11 +9,12 @@ Three detectors, each robust to the odd slow step that every busy machine produc
   the median of the other ranks by ``slow_ratio`` *and* by ``slow_z`` robust standard deviations
   (1.4826 x MAD) of the others. Two tests raise the alert, both built to ignore a rank the host
   deschedules for a moment (on a loaded machine one rank's busy time can be 3-6x its peers' for
-  3-5 steps in a row, measured on 4 ranks over 2 cores), which only its duration tells from a
+  3-5 steps in a row, measured on 4 ranks over 2 cores), which mostly its duration tells from a
   straggler: ``slow_steps`` (6) slow steps in a row whose excess over the peers' median adds up to
   ``slow_excess_seconds`` (a big straggler, raised fast), or, over the last ``slow_window`` steps, a
-  share ``slow_window_fraction`` of steps at ``slow_window_ratio`` x the peers' median or more (a
-  small one: ``straggler.py`` says why that test, and what it costs).
+  share ``slow_window_fraction`` of steps at ``slow_window_ratio`` x the peers' median or more, with
+  steady ratios (``slow_window_spread``): a small one. ``straggler.py`` says why that test, and what
+  it costs.
 * **regression** (per rank, against its own past): the median of the last ``recent_steps`` step
   times against the median of the ``baseline_steps`` steps after warm-up.
 * **jitter** (per rank): the spread of consecutive differences, ``1.4826 * median(|x_i - x_i-1|) /
@@ -60,6 +61,8 @@ class DetectorConfig:
     """... raised when the rank's busy time was at least this multiple of its peers' median ..."""
     slow_window_fraction: float = 0.85
     """... in at least this share of the window's steps"""
+    slow_window_spread: float = 1.5
+    """... and those ratios are steady: the window's median over its lower quartile is at most this"""
     warmup_steps: int = 3
     """first steps of each rank that no detector looks at (graph compilation, cache warm-up)"""
     baseline_steps: int = 20
@@ -95,8 +98,9 @@ class DetectorConfig:
             raise MonitorError(f"DetectorConfig has a negative threshold: {self}")
         if self.slow_window != int(self.slow_window) or not (self.slow_window == 0 or self.slow_window >= 4):
             raise MonitorError(f"DetectorConfig.slow_window={self.slow_window!r} must be 0 (off) or an integer >= 4")
-        if not self.slow_window_ratio > 1.0:
-            raise MonitorError(f"DetectorConfig.slow_window_ratio={self.slow_window_ratio!r} must be above 1")
+        for name in ("slow_window_ratio", "slow_window_spread"):
+            if not getattr(self, name) > 1.0:
+                raise MonitorError(f"DetectorConfig.{name}={getattr(self, name)!r} must be above 1")
         if not 0.5 < self.slow_window_fraction <= 1.0:
             raise MonitorError(
                 f"DetectorConfig.slow_window_fraction={self.slow_window_fraction!r} must be in (0.5, 1]:"
@@ -332,7 +336,9 @@ class Detector:
             persistent = False
             if cfg.slow_window and peers > 0:
                 st.ratios.push(x / peers)
-                persistent = st.ratios.persistent(cfg.slow_window_ratio, cfg.slow_window_fraction)
+                persistent = st.ratios.persistent(
+                    cfg.slow_window_ratio, cfg.slow_window_fraction, cfg.slow_window_spread
+                )
 
             def make(rank: int = rank, x: float = x, med: float = med, w: RatioWindow | None = None) -> Alert:
                 ratio = x / med if med > 0 else math.inf

@@ -435,6 +435,12 @@ CLI = [
         "listening on ['0.0.0.0'] (beyond loopback) needs a token (--token or MS_MONITOR_TOKEN)",
     ),
     (["daemon", "--slow-ratio", "0.5"], "DetectorConfig.slow_ratio=0.5 must be above 1"),
+    (["daemon", "--slow-window", "3"], "DetectorConfig.slow_window=3 must be 0 (off) or an integer >= 4"),
+    (
+        ["daemon", "--slow-window-fraction", "0.4"],
+        "DetectorConfig.slow_window_fraction=0.4 must be in (0.5, 1]:"
+        " more than half the window, or half a window of noise and bursts would raise",
+    ),
     (["trace", "--steps", "0", "--url", URL], "--steps 0 is not a number of steps in 1..100000"),
     (
         ["trace", "--steps", "2", "--timeout", "-1", "--url", URL],

@@ -104,7 +104,7 @@ class DetectorConfig:
         if not 0.5 < self.slow_window_fraction <= 1.0:
             raise MonitorError(
                 f"DetectorConfig.slow_window_fraction={self.slow_window_fraction!r} must be in (0.5, 1]:"
-                " a rank with no straggler is above its peers' median in about half the steps"
+                " more than half the window, or half a window of noise and bursts would raise"
             )
 
 

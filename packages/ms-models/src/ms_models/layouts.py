@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from ms_layout import ParallelConfig, ParamPlacement, param_placement
+from ms_layout import Layout, ParallelConfig, ParamPlacement, param_placement
 
 from .config import DecoderConfig, DeepseekV3Config
 from .errors import ModelError
@@ -103,10 +103,12 @@ def param_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def check_divisible(config: DecoderConfig, parallel: ParallelConfig) -> None:
-    """ModelError unless tp splits heads, MLP widths and the vocabulary, and ep splits the experts evenly."""
+def check_divisible(config: DecoderConfig, parallel: ParallelConfig, vocab_parallel: bool = True) -> None:
+    """ModelError unless tp splits heads, MLP widths and (vocab-parallel) the vocabulary, and ep
+    splits the experts evenly."""
     c, tp = config, parallel.tp
-    sizes = {"vocab_size": c.vocab_size, "num_attention_heads": c.num_attention_heads}
+    sizes = {"vocab_size": c.vocab_size} if vocab_parallel else {}
+    sizes["num_attention_heads"] = c.num_attention_heads
     if isinstance(c, DeepseekV3Config):
         sizes["moe_intermediate_size"] = c.moe_intermediate_size
         if c.first_k_dense_replace:
@@ -121,6 +123,7 @@ def check_divisible(config: DecoderConfig, parallel: ParallelConfig) -> None:
 
 
 _MTP = re.compile(r"^model\.mtp_layers\.(\d+)\.")
+_VOCAB = re.compile(r"(embed_tokens|lm_head|shared_head\.head)\.weight$")
 
 
 def checkpoint_shapes(config: DecoderConfig, shapes: dict[str, tuple[int, ...]] | None = None):
@@ -138,17 +141,22 @@ def checkpoint_shapes(config: DecoderConfig, shapes: dict[str, tuple[int, ...]] 
 
 
 def model_layouts(
-    model_or_config, parallel_config: ParallelConfig, layers_per_chunk=None, checkpoint: bool = False
+    model_or_config,
+    parallel_config: ParallelConfig,
+    layers_per_chunk=None,
+    checkpoint: bool = False,
+    vocab_parallel: bool = True,
 ) -> dict[str, ParamPlacement]:
     """Parameter name -> ms_layout.ParamPlacement (role, pipeline stage, Layout) for every parameter.
 
     With `checkpoint=True` the keys are the checkpoint's tensor names instead (one matrix per
     expert, owned by the ep rank holding it; MTP as model.layers.{L + k}, with its copies of the
-    shared embedding and head), for code that shards or gathers HF-format files."""
+    shared embedding and head), for code that shards or gathers HF-format files. With
+    `vocab_parallel=False` the embedding and head stay whole on every tensor-parallel rank."""
     config = getattr(model_or_config, "config", model_or_config)
     if not isinstance(config, DecoderConfig):
         raise ModelError(f"expected a model or a config, got {type(model_or_config).__name__}")
-    check_divisible(config, parallel_config)
+    check_divisible(config, parallel_config, vocab_parallel)
     if hasattr(model_or_config, "parameters_and_names"):
         shapes = {name: tuple(p.shape) for name, p in model_or_config.parameters_and_names()}
     else:
@@ -163,5 +171,9 @@ def model_layouts(
         placement = param_placement(
             parallel_config, hf_name, len(shape), config.num_hidden_layers, experts, layers_per_chunk
         )
+        if not vocab_parallel and _VOCAB.search(name):
+            layout = placement.layout
+            whole = Layout(layout.device_matrix, layout.alias_names, tuple(() for _ in layout.dims), layout.rank_list)
+            placement = dataclasses.replace(placement, layout=whole)
         out[name] = dataclasses.replace(placement, name=name)
     return out

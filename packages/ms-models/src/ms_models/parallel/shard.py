@@ -101,8 +101,13 @@ def shard_tensors(
     rank's local indices; another EP rank's experts are skipped."""
     from ..layouts import model_layouts
 
-    dense = model_layouts(config, plan.dense_config(), checkpoint=True)
-    experts = model_layouts(config, plan.expert_config(), checkpoint=True) if plan.expert_parallel else dense
+    vocab = plan.vocab_parallel
+    dense = model_layouts(config, plan.dense_config(), checkpoint=True, vocab_parallel=vocab)
+    experts = (
+        model_layouts(config, plan.expert_config(), checkpoint=True, vocab_parallel=vocab)
+        if plan.expert_parallel
+        else dense
+    )
     first = plan.expert_range(getattr(config, "n_routed_experts", 0) or 0)[0]
     out: dict[str, np.ndarray] = {}
     for name, shape, read in tensors:

@@ -19,15 +19,11 @@ compiled TP stack (jit segments between asynchronous collectives) is the compile
 
 from __future__ import annotations
 
-import re
-
 from ms_layout import Layout, ParallelConfig
 
 from ..layers import RMSNorm
 from .layers import CopyToTP, RowParallelLinear
 from .plan import ParallelError, ShardPlan
-
-_WHOLE = re.compile(r"(embed_tokens|lm_head)\.weight$")
 
 
 class CopiedRMSNorm(RMSNorm):
@@ -57,6 +53,8 @@ def training_shard(model, group):
             if not isinstance(cell, RowParallelLinear):
                 raise ParallelError(f"expected a row-parallel o_proj/down_proj, got {type(cell).__name__}")
             cell.grad_through = True
+    for name, param in net.parameters_and_names():  # swapped-in cells named theirs short ("o_proj.weight")
+        param.name = name
     return net
 
 
@@ -65,13 +63,7 @@ def training_layouts(config, parallel: ParallelConfig) -> dict[str, Layout]:
     layers' weights split as ``model_layouts`` splits them, the embedding and the head whole."""
     from ..layouts import model_layouts
 
-    out = {}
-    for name, placement in model_layouts(config, parallel).items():
-        layout = placement.layout
-        if _WHOLE.search(name):
-            layout = Layout(layout.device_matrix, layout.alias_names, tuple(() for _ in layout.dims), layout.rank_list)
-        out[name] = layout
-    return out
+    return {name: p.layout for name, p in model_layouts(config, parallel, vocab_parallel=False).items()}
 
 
 __all__ = ["CopiedRMSNorm", "training_layouts", "training_shard"]

@@ -9,6 +9,7 @@ losses match the reference within float32 summation-order error, as the 2-rank r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,22 +28,39 @@ pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch]
 STEPS = 6  # the reference run keeps its weights after step 6
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (the launcher's forkserver and the ranks it started), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path("/proc", entry, "stat").read_text()
+        except (OSError, ValueError):
+            continue  # not a process, or gone
+        children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
 def _kill_at(cmd, ckpt, step: int, log_path) -> int:
-    """Run `cmd` in its own process group and SIGKILL the whole group (launcher and ranks) once a
-    checkpoint of `step` or later is in place; returns the step it was killed after."""
+    """Run `cmd` and SIGKILL it and every process it started (the ranks run in process groups of
+    their own) once a checkpoint of `step` or later is in place; returns the step it was killed after."""
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.time() + 600
         try:
             while time.time() < deadline and proc.poll() is None:
                 latest = ckpt / "LATEST"
                 if latest.exists() and latest.read_text() >= f"step_{step:06d}":
-                    os.killpg(proc.pid, signal.SIGKILL)  # mid-run, every rank at once
                     break
                 time.sleep(0.05)
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+            for pid in [proc.pid, *_descendants(proc.pid)]:  # mid-run, every rank at once
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == -signal.SIGKILL, open(log_path).read()[-3000:]
     killed_at = int((ckpt / "LATEST").read_text().split("_")[1])

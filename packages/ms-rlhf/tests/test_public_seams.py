@@ -12,8 +12,10 @@ SIBLINGS = ("ms_layout", "ms_models", "ms_reshard", "ms_vllm")
 # `from ms_reshard.execute import x` or `import ms_reshard.execute`. Allowed: `ms_layout.comm` (in
 # ms-layout's __all__) and `ms_layout.serialization`, whose `register` is the documented hook for
 # other packages' msgpack kinds, and the modules every package shares for files, limits and console
-# errors (issue 16: ms_layout.files, ms_layout.limits, ms_layout.console).
+# errors (issue 16: ms_layout.files, ms_layout.limits, ms_layout.console), and ms_models.parallel, the
+# public subpackage of tensor-parallel layers that the trainer's TP actor is built from.
 ALLOWED = {("ms_layout", "serialization"), ("ms_layout", "files"), ("ms_layout", "limits"), ("ms_layout", "console")}
+ALLOWED.add(("ms_models", "parallel"))
 PRIVATE = re.compile(rf"^\s*(?:from|import)\s+({'|'.join(SIBLINGS)})\.(\w+)", re.M)
 
 

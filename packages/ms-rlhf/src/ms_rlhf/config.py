@@ -97,6 +97,9 @@ class TrainConfig:
     """Paged KV-cache block size of the embedded engine."""
     optimizer_shard: bool = False
     """Keep master weights and Adam state split over the DP ranks (ZeRO-style); else replicated."""
+    tp: int = 1
+    """Tensor-parallel size of the training model (llama/qwen2; runs eagerly): the ranks form
+    world / tp data-parallel replicas of tp consecutive ranks each."""
     ref_sync_every: int = 0
     """Copy the policy into the reference model every this many steps (0: frozen reference)."""
     checkpoint_dir: str | None = None
@@ -216,6 +219,7 @@ _POSITIVE = (
     "rollout_instances",
     "block_size",
     "keep_checkpoints",
+    "tp",
 )
 _LIMITED = {
     "dataset_size": MAX_DATASET_SIZE,

@@ -43,27 +43,30 @@ def split_keys(keys, names) -> tuple[dict[str, str], list[str]]:
     return sharded, replicated
 
 
-def specs(model_config, world: int, sharded: bool, keys: dict[str, str]) -> dict:
+def specs(model_config, world: int, sharded: bool, tp: int, keys: dict[str, str]) -> dict:
     """{key: ms_reshard.ParamSpec} of the master-layout keys for `world` ranks."""
     import ms_models
 
     shapes = {k: tuple(v) for k, v in ms_models.param_shapes(model_config).items()}
-    by_name = layouts(model_config, world, sharded, shapes)
+    by_name = layouts(model_config, world, sharded, shapes, tp)
     return {key: by_name[name] for key, name in keys.items()}
 
 
-def saved_sharding(path: str, state: dict) -> bool:
-    """Whether the run that wrote the checkpoint (its `state`) sharded its optimizer."""
+def saved_layout(path: str, state: dict, world: int) -> tuple[bool, int]:
+    """(optimizer sharding, tp) of the run of `world` ranks that wrote the checkpoint (its `state`)."""
     saved = state.get("config")
     if not isinstance(saved, dict) or not isinstance(saved.get("optimizer_shard"), bool):
         raise CheckpointError(f"checkpoint {path!r}: state.json does not say whether its optimizer was sharded")
-    return saved["optimizer_shard"]
+    tp = saved.get("tp", 1)  # written before tensor parallel training existed: 1
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or world % tp:
+        raise CheckpointError(f"checkpoint {path!r}: state.json holds tp={tp!r}, not a divisor of its ranks")
+    return saved["optimizer_shard"], tp
 
 
-def load(path: str, manifest: dict, state: dict, model_config, rank: int, world: int, sharded: bool):
+def load(path: str, manifest: dict, state: dict, model_config, rank: int, world: int, sharded: bool, tp: int):
     """This rank's arrays (keys as ``GRPOTrainer.save_checkpoint`` writes them) from a checkpoint
-    (its verified `manifest` and `state`) written under another layout; `sharded` is this run's
-    optimizer sharding. Every file is verified first; a layout the files do not hold is a
+    (its verified `manifest` and `state`) written under another layout; `world`, `sharded` and `tp`
+    are this run's. Every file is verified first; a layout the files do not hold is a
     CheckpointError."""
     from safetensors import safe_open
 
@@ -80,8 +83,8 @@ def load(path: str, manifest: dict, state: dict, model_config, rank: int, world:
     except Exception as exc:  # safetensors' own error types for a malformed header
         raise CheckpointError(f"checkpoint {path!r}: {checkpoint.rank_file(0)} is unreadable ({exc})") from None
     try:
-        plan = model_plan(specs(model_config, old_world, saved_sharding(path, state), keys),
-                          specs(model_config, world, sharded, keys))  # fmt: skip
+        plan = model_plan(specs(model_config, old_world, *saved_layout(path, state, old_world), keys),
+                          specs(model_config, world, sharded, tp, keys))  # fmt: skip
         arrays = read_rank(plan, rank, files)
     except ReshardError as exc:
         raise CheckpointError(f"checkpoint {path!r} cannot be resharded to {world} ranks: {exc}") from None

@@ -67,3 +67,14 @@ def all_gather_objects(group, rows: list[np.ndarray]) -> list[list[np.ndarray]]:
     for k in range(group.size):
         out.append([gathered[k, i, 1 : 1 + gathered[k, i, 0]].copy() for i in range(int(counts[k]))])
     return out
+
+
+def tp_and_dp_groups(group, tp: int):
+    """(tensor-parallel group, data-parallel group) of this rank: tp consecutive ranks form a TP
+    group, the ranks at the same place in each form a DP group (tp=1: no TP group, DP = `group`)."""
+    if tp == 1:
+        return None, group
+    ranks, dp = list(group.ranks), group.size // tp
+    tp_group = group.split([ranks[d * tp : (d + 1) * tp] for d in range(dp)])
+    dp_group = group.split([ranks[t::tp] for t in range(tp)]) if dp > 1 else SingleProcessGroup()
+    return tp_group, dp_group

@@ -13,9 +13,9 @@ from ..errors import CheckpointError, RLHFError
 
 log = logging.getLogger("ms_rlhf")
 
-#: config keys a resumed run may change (optimizer_shard is a layout: resharded on resume, like a new
+#: config keys a resumed run may change (optimizer_shard and tp are layouts: resharded on resume, like a new
 #: number of ranks); anything else must match the checkpoint's config
-RESUMABLE_CHANGES = {"steps", "checkpoint_dir", "checkpoint_every", "keep_checkpoints", "optimizer_shard"}
+RESUMABLE_CHANGES = {"steps", "checkpoint_dir", "checkpoint_every", "keep_checkpoints", "optimizer_shard", "tp"}
 
 
 def _resume_path(config: TrainConfig, resume: str | None, group) -> tuple[str | None, list[dict[str, str]]]:

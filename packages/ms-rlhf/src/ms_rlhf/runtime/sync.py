@@ -1,14 +1,17 @@
 """Online weight sync with ms-reshard: from where the trainer keeps its weights to every model that
 reads them.
 
-The trainer keeps *master* weights: replicated on every DP rank, or -- with optimizer sharding --
-split along dim 0 over the DP ranks (``ms_reshard.stored_layout``), each rank updating only its
-shard with its share of Adam state (ZeRO). Three models read them: the training model (full
-weights for forward/backward), the rollout model and the reference model. Each read is an
+The trainer keeps *master* weights: replicated on every DP replica (each rank its tensor-parallel
+slice with ``tp`` > 1), or -- with optimizer sharding -- also split along dim 0 over the DP replicas
+(``ms_reshard.stored_layout``), each rank updating only its shard with its share of Adam state
+(ZeRO). Three models read them: the training model (whole, or its TP shard), the rollout model and
+the reference model (whole on every rank). Each read is an
 ``ms_reshard`` ModelPlan, planned once and run after every optimizer step with
 ``ms_reshard.reshard_parameters``, which writes the target Parameters in place:
 
 * one rank: source and target layouts are the same, so the plan is all local copies;
+* tensor parallel training (``tp``): the training model holds the master's TP slices, so its plan
+  gathers only over the DP replicas; the rollout and reference models stay whole on every rank;
 * sharded master to replicated models: the plan is an all-gather, moving exactly the bytes each
   rank lacks (ms-reshard's lower bound), one parameter at a time -- no rank ever materialises a
   second full copy of the model as the gather-everything approach does (verl #6772's OOM,
@@ -38,36 +41,42 @@ class SyncStats:
     """Bytes this rank copied locally."""
 
 
-def layouts(config, world: int, sharded: bool, shapes: Mapping[str, tuple[int, ...]]):
-    """{name: ms_reshard.ParamSpec} of every parameter, DP-replicated over `world` ranks, or split
-    along dim 0 where it divides when `sharded`."""
-    import ms_models
+def layouts(config, world: int, sharded: bool, shapes: Mapping[str, tuple[int, ...]], tp: int = 1):
+    """{name: ms_reshard.ParamSpec} of every parameter over `world` ranks: tp-way tensor parallel
+    (ms_models.parallel.training_layouts; tp=1: whole) and replicated over the world / tp DP
+    replicas, or with `sharded` also split along dim 0 over them where it divides (ZeRO)."""
+    from ms_models.parallel import training_layouts
     from ms_reshard import ParamSpec, stored_layout
 
-    parallel = ParallelConfig(dp=world, optimizer_shard=sharded)
+    parallel = ParallelConfig(dp=world // tp, tp=tp, optimizer_shard=sharded)
     out = {}
-    for name, placement in ms_models.model_layouts(config, parallel).items():
-        layout = stored_layout(placement.layout, shapes[name]) if sharded else placement.layout
+    for name, layout in training_layouts(config, parallel).items():
+        layout = stored_layout(layout, shapes[name]) if sharded else layout
         out[name] = ParamSpec(layout, tuple(shapes[name]), "float32")
     return out
 
 
 class WeightSync:
-    """The plan from the master layout to the replicated model layout, made once; `run` moves one
-    set of master-layout weights into one model's Parameters."""
+    """The plans from the master layout to the training model's (tensor parallel with `tp`) and to
+    the replicated layout of the rollout and reference models, made once; `run` moves one set of
+    master-layout weights into one model's Parameters."""
 
-    def __init__(self, config, group, sharded: bool):
+    def __init__(self, config, group, sharded: bool, tp: int = 1):
         import ms_models
         from ms_reshard import model_plan
 
         self.group = group
         self.rank = int(group.ranks[group.rank])
         shapes = {k: tuple(v) for k, v in ms_models.param_shapes(config).items()}
-        self.master = layouts(config, group.size, sharded, shapes)
+        self.shapes = shapes
+        self.master = layouts(config, group.size, sharded, shapes, tp)
+        self.train = layouts(config, group.size, False, shapes, tp)
         self.replica = layouts(config, group.size, False, shapes)
+        self.to_train = model_plan(self.master, self.train)
         self.to_replica = model_plan(self.master, self.replica)
-        per_rank = self.to_replica.per_rank().get(self.rank, {"received": 0})
+        per_rank = self.to_replica.per_rank().get(self.rank, {"received": 0, "lower_bound": 0})
         self.received_bytes = int(per_rank["received"])
+        self.lower_bound_bytes = int(per_rank["lower_bound"])
         self.total_bytes = sum(int(np.prod(s)) * 4 for s in shapes.values())
 
     def master_slice(self, name: str) -> tuple[slice, ...]:
@@ -75,11 +84,22 @@ class WeightSync:
         spec = self.master[name]
         return spec.layout.global_slice(spec.shape, self.rank)
 
-    def run(self, src: Mapping[str, object], dst: Mapping[str, object]) -> SyncStats:
-        """Move master-layout shards `src` ({name: Parameter/array}) into a model's Parameters `dst`."""
+    def master_in_train(self, name: str) -> tuple[slice, ...]:
+        """This rank's master slice inside its training-model shard (the shard's own coordinates)."""
+        held = self.train[name].layout.global_slice(self.shapes[name], self.rank)
+        return tuple(slice(m.start - t.start, m.stop - t.start) for m, t in zip(self.master_slice(name), held))
+
+    def tp_split(self, name: str) -> bool:
+        """Whether the training model holds only a slice of the parameter (tensor parallel)."""
+        return self.train[name].layout.shard_shape(self.shapes[name]) != self.shapes[name]
+
+    def run(self, src: Mapping[str, object], dst: Mapping[str, object], to: str = "replica") -> SyncStats:
+        """Move master-layout shards `src` ({name: Parameter/array}) into a model's Parameters `dst`:
+        the training model's (`to="train"`) or a replicated one's (rollout, reference)."""
         from ms_reshard import reshard_parameters
 
         start = time.perf_counter()
-        reshard_parameters(self.to_replica, self.group, src, dst)
+        reshard_parameters(self.to_train if to == "train" else self.to_replica, self.group, src, dst)
         seconds = time.perf_counter() - start
-        return SyncStats(seconds, self.received_bytes, self.total_bytes - self.received_bytes)
+        received = self.received_bytes if to != "train" else 0
+        return SyncStats(seconds, received, self.total_bytes - received)

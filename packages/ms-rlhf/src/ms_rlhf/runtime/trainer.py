@@ -34,7 +34,7 @@ from ..sampling import split
 from ..tasks import PromptStream, make_task
 from . import elastic
 from .experience import make_experience, micro_batches, weights_for
-from .group import all_gather_objects, world_group
+from .group import all_gather_objects, tp_and_dp_groups, world_group
 from .policy import PolicyFunctions, build_model, response_values, row_weights
 from .rollout import Completion, EmbeddedEngine, Request
 from .sync import WeightSync
@@ -50,6 +50,8 @@ class GRPOTrainer:
         import mindspore as ms
         from mindspore import Parameter, Tensor, nn
 
+        from ms_models.parallel import training_shard
+
         self.config, cfg = config, config
         self.group = world_group(group)
         self.rank, self.world = int(self.group.rank), int(self.group.size)
@@ -58,17 +60,24 @@ class GRPOTrainer:
         self.stream = PromptStream(self.task, cfg.seed, cfg.dataset_size)
         # Only the training model starts from the initial weights; the other two start elsewhere
         # and get theirs through weight sync, which is what the tests check.
-        self.model = build_model(cfg, self.tokenizer, cfg.seed)
+        if self.world % cfg.tp:
+            raise RLHFError(f"config tp={cfg.tp} does not divide the {self.world} ranks of this run")
+        self.tp, self.dp, self.dp_rank = cfg.tp, self.world // cfg.tp, self.rank // cfg.tp
+        self.tp_group, self.dp_group = tp_and_dp_groups(self.group, cfg.tp)
+        model = build_model(cfg, self.tokenizer, cfg.seed)
+        self.model_config = model.config
+        full = {n: p.asnumpy() for n, p in model.parameters_and_names()}
+        self.model = model if cfg.tp == 1 else training_shard(model, self.tp_group)
         self.infer_model = build_model(cfg, self.tokenizer, cfg.seed + 1000)
         self.ref_model = build_model(cfg, self.tokenizer, cfg.seed + 2000)
-        self.sync = WeightSync(self.model.config, self.group, cfg.optimizer_shard)
-        full = {n: p.asnumpy() for n, p in self.model.parameters_and_names()}
+        self.sync = WeightSync(self.model_config, self.group, cfg.optimizer_shard, cfg.tp)
         self.master = {n: Parameter(Tensor(full[n][self.sync.master_slice(n)].copy()), name=f"master.{n}")
                        for n in self.sync.master}  # fmt: skip
         self.ref_shards = {n: p.asnumpy().copy() for n, p in self.master.items()}
         self.trainable = [p.name for p in self.model.trainable_params()]
         self.optimizer = nn.Adam([self.master[n] for n in self.trainable], learning_rate=cfg.lr)
-        self.policy = PolicyFunctions(self.model, cfg.clip_eps, cfg.kl_coef, cfg.jit)
+        # the TP shard's collectives run on the host, between compiled pieces: eager under tp > 1
+        self.policy = PolicyFunctions(self.model, cfg.clip_eps, cfg.kl_coef, cfg.jit and cfg.tp == 1)
         self.reference = PolicyFunctions(self.ref_model, cfg.clip_eps, cfg.kl_coef, cfg.jit)
         mode = cfg.rollout_mode if cfg.rollout_mode != "auto" else ("jit" if cfg.jit else "paged")
         if engine is None and cfg.rollout_engine == "vllm":
@@ -83,7 +92,7 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------- weight sync
     def _sync_all(self, ref: bool = False) -> dict:
-        train = self.sync.run(self.master, dict(self.model.parameters_and_names()))
+        train = self.sync.run(self.master, dict(self.model.parameters_and_names()), to="train")
         infer = self.sync.run(self.master, self.engine.weight_targets())
         if ref:
             self.sync.run(self.ref_shards, dict(self.ref_model.parameters_and_names()))
@@ -136,7 +145,7 @@ class GRPOTrainer:
         plans, pack_stats = [], {"packs": 0, "pack_lower_bound": 0, "row_tokens": 0, "pad_tokens": 0}
         for u in range(cfg.updates_per_rollout):
             samples = range(u * size, (u + 1) * size)
-            mbs, stats = micro_batches(exp, samples, self.rank, self.world, cfg.packing, cfg.max_pack_len,
+            mbs, stats = micro_batches(exp, samples, self.dp_rank, self.dp, cfg.packing, cfg.max_pack_len,
                                        cfg.max_pack_count, cfg.micro_batch_size, width)  # fmt: skip
             for k in pack_stats:
                 pack_stats[k] += stats[k]
@@ -188,21 +197,35 @@ class GRPOTrainer:
             for a, g in zip(acc, grads):
                 a += g
         flat = np.concatenate([a.reshape(-1) for a in acc] + [stats.astype(np.float32)])
-        self.group.all_reduce(flat)  # SUM: the weights already hold the global 1/|s| and 1/S factors
+        self.dp_group.all_reduce(flat)  # SUM: the weights already hold the global 1/|s| and 1/S factors
         grads, offset = [], 0
         for a in acc:
             grads.append(flat[offset : offset + a.size].reshape(a.shape))
             offset += a.size
         stats = flat[offset:].astype(np.float64)
         if cfg.max_grad_norm > 0:
-            norm = float(np.sqrt(sum(float(np.dot(g.reshape(-1).astype(np.float64), g.reshape(-1))) for g in grads)))
+            norm = self._grad_norm(grads)
             scale = min(1.0, cfg.max_grad_norm / (norm + 1e-6))
             grads = [g * np.float32(scale) for g in grads] if scale < 1.0 else grads
         Tensor = self._ms.Tensor
-        self.optimizer(tuple(Tensor(np.ascontiguousarray(g[self.sync.master_slice(n)]))
+        self.optimizer(tuple(Tensor(np.ascontiguousarray(g[self.sync.master_in_train(n)]))
                              for n, g in zip(self.trainable, grads)))  # fmt: skip
-        self.sync.run(self.master, dict(self.model.parameters_and_names()))
+        self.sync.run(self.master, dict(self.model.parameters_and_names()), to="train")
         return stats
+
+    def _grad_norm(self, grads) -> float:
+        """The global gradient norm: a TP-split gradient's squares summed over the TP ranks, a
+        replicated one's counted once."""
+        whole, split = 0.0, np.zeros(1)
+        for n, g in zip(self.trainable, grads):
+            square = float(np.dot(g.reshape(-1).astype(np.float64), g.reshape(-1)))
+            if self.sync.tp_split(n):
+                split[0] += square
+            else:
+                whole += square
+        if self.tp > 1:
+            self.tp_group.all_reduce(split)
+        return float(np.sqrt(whole + split[0]))
 
     def _mismatch(self, exp, plans) -> float:
         """Largest |rollout log-prob - training log-prob| over this rank's tokens (should be ~1e-6:
@@ -256,10 +279,11 @@ class GRPOTrainer:
         manifest = checkpoint.read_manifest(path)
         state = checkpoint.read_state(path, manifest)
         rank, shard = int(self.group.ranks[self.rank]), self.config.optimizer_shard
-        if manifest["world_size"] == self.world and elastic.saved_sharding(path, state) == shard:
+        layout = (self.world, shard, self.tp)
+        if (manifest["world_size"], *elastic.saved_layout(path, state, manifest["world_size"])) == layout:
             arrays, state = checkpoint.load(path, rank, self.world)
         else:
-            arrays = elastic.load(path, manifest, state, self.model.config, rank, self.world, shard)
+            arrays = elastic.load(path, manifest, state, self.model_config, rank, *layout)
             log.info("resharded %s from %d to %d ranks", path, manifest["world_size"], self.world)
         try:
             self._restore(arrays, state)

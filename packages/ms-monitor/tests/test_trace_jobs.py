@@ -78,6 +78,9 @@ def test_aggregator_traces_ranks_behind_a_relay(tmp_path, sock_dir):
     doc = json.load(open(job["path"]))
     assert check_chrome_trace(doc).keys() == {4, 5}
     assert len(step_spans(doc, 4)) == 2
+    # two hops, one clock: each rank's offset is the relay's plus the rank's against the relay, near 0
+    clock = doc["otherData"]["clock"]
+    assert all(abs(clock[r]["offset_us"]) <= clock[r]["error_us"] + 1 for r in ("4", "5")), clock
 
 
 def test_parse_ranks():

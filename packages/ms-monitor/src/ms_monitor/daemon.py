@@ -23,9 +23,11 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from typing import Any, Callable
 
 from . import auth, wire
+from .clock import KEEP, Clocks, Offset, estimate
 from .config import DaemonConfig
 from .errors import FrameError, MonitorError, WireError
 from .exporters import JsonlWriter, TensorBoardWriter, prometheus_text
@@ -46,8 +48,10 @@ class Conn:
         self.rank: int = hello["rank"]
         self.host: str = hello.get("host", "")
         self.poll: bool = hello.get("poll", True)  # a dyno connection that takes configs
+        self.clk: bool = hello.get("clk", False)  # answers clock probes (clock.py)
         self.ranks: set[int] = set() if self.role == "relay" else {self.rank}
         self.told_refused = False  # whether it was told that some of its ranks are over the limit
+        self.probes: deque = deque(maxlen=KEEP)  # clock probes (t0, a, t1) of this connection
 
     def send(self, msg: dict) -> None:
         if not self.writer.is_closing():
@@ -68,7 +72,13 @@ class Daemon:
         """the token HTTP commands need (``config.token``, or the one made at start)"""
         self.token_file: str | None = None
         """where the made token was written"""
-        self.traces = TraceManager(self.config.trace_dir, forward=self.relay.put if self.relay else None)
+        self.clocks = Clocks()
+        """clock probes of the agent and dyno ranks (``clock.py``)"""
+        self.relayed_clocks: dict[int, Offset] = {}
+        """offsets of ranks behind relays: the relay's plus the rank's against the relay"""
+        self.traces = TraceManager(
+            self.config.trace_dir, forward=self.relay.put if self.relay else None, offset_of=self.clock_offset
+        )
         self.jsonl = JsonlWriter(self.config.jsonl) if self.config.jsonl else None
         self.tensorboard = TensorBoardWriter(self.config.tensorboard) if self.config.tensorboard else None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -175,6 +185,7 @@ class Daemon:
         while True:
             await asyncio.sleep(0.5)
             try:
+                self._probe_clocks()
                 self.traces.tick()
                 if time.monotonic() - last_flush > 5:
                     for w in (self.jsonl, self.tensorboard):
@@ -221,7 +232,11 @@ class Daemon:
             self.conns.add(conn)
             if conn.role != "relay":
                 self.store.connected(conn.rank, hello)
+                if conn.role == "agent":
+                    self.clocks.forget(conn.rank)  # the rank may have come back on another host
             writer.write(wire.encode({"t": "welcome", "v": wire.PROTOCOL_VERSION}))
+            if conn.clk:
+                conn.send({"t": "ping", "d": time.time()})
             await writer.drain()
             while True:
                 try:
@@ -273,10 +288,36 @@ class Daemon:
             self.store.dyno_status(msg)
         elif kind == "npumon":
             log.info("ms-monitor daemon: rank %d npu-monitor config %s", msg["rank"], msg["cfg"])
+        elif kind == "pong":
+            t1 = time.time()
+            conn.probes.append((msg["d"], msg["a"], t1))
+            if conn.role != "relay":
+                self.clocks.observe(conn.rank, conn.host, msg["d"], msg["a"], t1)
         elif kind == "tfile":
             self.traces.on_tfile(msg)
         elif kind == "tdone":
+            if conn.role == "relay":
+                self._relayed_clock(conn, msg)
             self.traces.on_tdone(msg)
+
+    def _probe_clocks(self) -> None:
+        """Send every connection a clock probe; the answers come back as ``pong`` (``clock.py``)."""
+        now = time.time()
+        for conn in self.conns:
+            if conn.clk:
+                conn.send({"t": "ping", "d": now})
+
+    def _relayed_clock(self, conn: Conn, msg: dict) -> None:
+        """A relayed rank's offset: the relay's against this daemon plus the rank's against the relay."""
+        hop = estimate(list(conn.probes))
+        if hop is None or "clk" not in msg:  # the relay did not measure the rank: unknown, not aligned
+            self.relayed_clocks.pop(msg["rank"], None)
+            return
+        self.relayed_clocks[msg["rank"]] = hop.plus(Offset(msg["clk"], msg.get("clke", 0.0), 1))
+
+    def clock_offset(self, rank: int) -> Offset | None:
+        """The rank's clock minus this daemon's, if probes measured it (directly or through a relay)."""
+        return self.relayed_clocks.get(rank) or self.clocks.offset(rank)
 
     def _tell_refused(self, conn: Conn, refused: set[int]) -> None:
         """Tell a relay once that ranks of it are over the limit (their samples are dropped)."""

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 from collections.abc import Awaitable
 from typing import Callable
 
@@ -54,6 +55,7 @@ class Relay:
             "rank": -1,
             "host": socket.gethostname(),
             "pid": os.getpid(),
+            "clk": True,  # answers clock probes (clock.py)
         }
         if self.token:
             hello["token"] = self.token
@@ -71,7 +73,7 @@ class Relay:
                     raise ConnectionError(f"aggregator refused this relay: {reply.get('msg')}")
                 backoff, self.connected = 0.2, True
                 log.info("ms-monitor daemon: relaying to %s", self.addr)
-                await asyncio.gather(self._send(writer), self._receive(reader))
+                await asyncio.gather(self._send(writer), self._receive(reader, writer))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -89,9 +91,12 @@ class Relay:
             writer.write(wire.encode(msg))
             await asyncio.wait_for(writer.drain(), 10.0)
 
-    async def _receive(self, reader: asyncio.StreamReader) -> None:
+    async def _receive(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
             msg = await read_message(reader)
+            if msg["t"] == "ping":  # the aggregator's clock probe, answered at once (clock.py)
+                writer.write(wire.encode({"t": "pong", "d": msg["d"], "a": time.time()}))
+                continue
             if msg["t"] != "trace":
                 continue
             req = {

@@ -79,7 +79,7 @@ class Shipper:
     ):
         self.addr = addr or os.environ.get(ADDR_ENV) or DEFAULT_ADDR
         wire.parse_address(self.addr)  # fail early on a malformed address
-        self.hello = {"t": "hello", "v": wire.PROTOCOL_VERSION, **hello}
+        self.hello = {"t": "hello", "v": wire.PROTOCOL_VERSION, "clk": True, **hello}
         token = os.environ.get(TOKEN_ENV)
         if token and "token" not in self.hello:
             self.hello["token"] = token
@@ -199,10 +199,14 @@ class Shipper:
         if not readable:
             return
         data = self._sock.recv(65536)
+        now = time.time()  # read first: a clock probe's answer must be taken inside its round trip
         if not data:
             raise ConnectionError("the daemon closed the connection")
         for body in self._reader.feed(data):
             msg = wire.decode(body)
+            if msg["t"] == "ping":  # answered here, at once, not queued behind samples (see clock.py)
+                self._sock.sendall(wire.encode({"t": "pong", "d": msg["d"], "a": now}))
+                continue
             if self.on_command is not None:
                 try:
                     self.on_command(msg)

@@ -9,8 +9,11 @@ Three sources, in the order a rank's trace is built from:
 * ``agent_ranges.json``: the ms-monitor agent's own ranges and step spans, so a merged trace is
   never empty, even where MindSpore wrote nothing.
 
-All three use wall-clock microseconds, so lanes of ranks on one host line up; across hosts they
-are as aligned as the hosts' clocks. Only complete (``X``), begin/end, instant and counter events
+All three use wall-clock microseconds, so lanes of ranks on one host line up. Across hosts,
+``merge`` takes each rank's clock offset against the daemon (``clock.py``: rank clock minus
+daemon clock, measured by ping/pong) and shifts the rank's events by minus that offset, so every
+lane is on the daemon's clock; the offsets applied are recorded in ``otherData.clock_offsets_us``.
+Only complete (``X``), begin/end, instant and counter events
 are kept; the original processes/threads of a rank become named threads of its lane.
 """
 
@@ -166,16 +169,32 @@ class _Lane:
         return meta
 
 
-def merge(per_rank: dict[int, list[tuple[str, list[dict]]]], metadata: dict | None = None) -> dict:
-    """``{rank: [(source, events), ...]}`` -> one Chrome trace document with a lane per rank."""
+def merge(
+    per_rank: dict[int, list[tuple[str, list[dict]]]],
+    metadata: dict | None = None,
+    offsets: dict[int, float] | None = None,
+) -> dict:
+    """``{rank: [(source, events), ...]}`` -> one Chrome trace document with a lane per rank.
+
+    ``offsets``: seconds, each rank's clock minus the reference clock; its events are moved by
+    minus that much (ranks not named stay as they are)."""
+    offsets = offsets or {}
     events: list[dict] = []
     sources: dict[str, dict[str, int]] = {}
+    applied: dict[str, float] = {}
     for rank in sorted(per_rank):
         lane = _Lane(rank)
         sources[str(rank)] = {src: lane.add(src, evs) for src, evs in per_rank[rank]}
+        shift = _num(offsets.get(rank, 0.0), f"clock offset of rank {rank}") * 1e6
+        if rank in offsets:
+            applied[str(rank)] = round(shift, 3)
+        if shift:
+            for e in lane.events:
+                e["ts"] -= shift
         events += lane.metadata(f"rank {rank}") + lane.events
     meta = dict(metadata or {})
     meta["sources"] = sources
+    meta["clock_offsets_us"] = applied
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta}
 
 

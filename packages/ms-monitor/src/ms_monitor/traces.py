@@ -31,6 +31,7 @@ from typing import Any, Callable
 from ms_layout.files import atomic_write, clean_stale, read_capped, write_manifest
 from ms_layout.limits import Limit
 
+from .clock import Offset
 from .errors import MonitorError
 from .trace_merge import events_from_cpu_timestamps, events_from_trace_view, merge
 
@@ -159,11 +160,18 @@ def write_merged(out_dir: str, doc: dict, extra: dict) -> None:
 
 
 class TraceManager:
-    """The daemon's trace jobs; ``forward`` sends a message up to the aggregator (relays only)."""
+    """The daemon's trace jobs; ``forward`` sends a message up to the aggregator (relays only);
+    ``offset_of(rank)`` is the rank's clock offset against this daemon (``clock.py``), or None."""
 
-    def __init__(self, root: str, forward: Callable[[dict], None] | None = None):
+    def __init__(
+        self,
+        root: str,
+        forward: Callable[[dict], None] | None = None,
+        offset_of: Callable[[int], Offset | None] | None = None,
+    ):
         self.root = root
         self.forward = forward
+        self.offset_of = offset_of or (lambda rank: None)
         self.jobs: dict[str, TraceJob] = {}
         os.makedirs(root, exist_ok=True)
         for name in os.listdir(root):  # half-written traces of a daemon that was killed
@@ -224,7 +232,7 @@ class TraceManager:
         if msg.get("error"):
             job.errors[str(msg["rank"])] = msg["error"]
         if job.upstream and self.forward:
-            self.forward(msg)
+            self.forward(self._with_clock(msg))
         self.check(job)
 
     def ranks_lost(self, ranks: set[int]) -> None:
@@ -283,17 +291,24 @@ class TraceManager:
                 for name, data in files.items():
                     self._forward_file(job.id, rank, name, data)
                 self.forward(
-                    {
-                        "t": "tdone",
-                        "id": job.id,
-                        "rank": rank,
-                        "first": job.start,
-                        "last": job.start + job.steps - 1,
-                        "sources": sorted(files),
-                    }
+                    self._with_clock(
+                        {
+                            "t": "tdone",
+                            "id": job.id,
+                            "rank": rank,
+                            "first": job.start,
+                            "last": job.start + job.steps - 1,
+                            "sources": sorted(files),
+                        }
+                    )
                 )
         job.dyno_gathered = True
         return True
+
+    def _with_clock(self, msg: dict) -> dict:
+        """A relay's tdone carries the rank's clock offset against the relay, for the aggregator to add to its own."""
+        off = self.offset_of(msg["rank"])
+        return msg if off is None else {**msg, "clk": off.offset, "clke": off.error}
 
     def _forward_file(self, job_id: str, rank: int, name: str, data: bytes) -> None:
         assert self.forward is not None
@@ -341,8 +356,18 @@ class TraceManager:
             job.state = "failed"
             job.errors.setdefault("all", "no rank sent any trace data")
             return
+        clocks = {rank: self.offset_of(rank) for rank in per_rank}
         doc = merge(
-            per_rank, {"ms_monitor_trace_id": job.id, "start_step": job.start, "steps": job.steps, "errors": job.errors}
+            per_rank,
+            {
+                "ms_monitor_trace_id": job.id,
+                "start_step": job.start,
+                "steps": job.steps,
+                "errors": job.errors,
+                # what the merge aligned each lane by; null: not measured, left on its own clock
+                "clock": {str(r): None if o is None else o.as_dict() for r, o in clocks.items()},
+            },
+            offsets={r: o.offset for r, o in clocks.items() if o is not None},
         )
         write_merged(job.out_dir, doc, {"ranks": sorted(per_rank), "trace": job.summary()})
         job.path, job.state = os.path.join(job.out_dir, MERGED), "done"

@@ -120,6 +120,8 @@ STEP = _int(-1, MAX_STEP)
 COUNT = _int(0, MAX_STEP)
 SECONDS = _float(0.0, 1e7)
 ID = _str(64)
+#: a wall-clock time in seconds since the epoch
+WALL = _float(0.0, 1e11)
 
 #: one step of one rank: r rank, s step, ts wall time at step end, dt step seconds, ct seconds in
 #: communication ranges, ph seconds per named range, tok/smp tokens/samples in the step, hm host
@@ -160,6 +162,7 @@ SCHEMAS: dict[str, dict[str, tuple[Check, bool]]] = {
         "job": (_str(256), False),
         "token": (_str(256), False),
         "poll": (_bool, False),  # dyno only: False for a status-only connection that takes no configs
+        "clk": (_bool, False),  # the client answers ``ping`` with ``pong`` (clock.py); older clients do not
     },
     "b": {"s": (_list(_record(SAMPLE), MAX_BATCH), True)},
     "dstat": {
@@ -186,7 +189,11 @@ SCHEMAS: dict[str, dict[str, tuple[Check, bool]]] = {
         "sources": (_list(_str(MAX_NAME), 16), True),
         "error": (_str(4096), False),
         "note": (_str(4096), False),
+        "clk": (_float(-1e9, 1e9), False),  # relay only: the rank's clock minus the relay's, seconds
+        "clke": (_float(0.0, 1e9), False),  # relay only: the error bound of clk, seconds
     },
+    # answer to a ping, sent at once by the client: d echoed, a its own wall clock at receipt
+    "pong": {"d": (WALL, True), "a": (WALL, True)},
     # daemon -> agent
     "welcome": {"v": (_int(1, 1000), True)},
     "error": {"msg": (_str(4096), True)},
@@ -199,6 +206,8 @@ SCHEMAS: dict[str, dict[str, tuple[Check, bool]]] = {
         "ranks": (_list(RANK, 1 << 16), False),
     },
     "cfg": {"id": (ID, True), "cfg": (_str(65536), True)},
+    # clock probe (``clock.py``): d is the daemon's wall clock when sent
+    "ping": {"d": (WALL, True)},
 }
 
 

@@ -115,6 +115,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         tensorboard=args.tensorboard,
         window=args.window,
         detector=detector,
+        clean_shm=not args.keep_stale_shm,
         **limits,
         **({"trace_dir": args.trace_dir} if args.trace_dir else {}),
     )
@@ -249,6 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--jsonl", help="append samples and alerts to this JSON-lines file")
     d.add_argument("--tensorboard", help="write TensorBoard scalars under this directory")
     d.add_argument("--window", type=int, default=600, help="samples kept per rank")
+    d.add_argument(
+        "--keep-stale-shm",
+        action="store_true",
+        help="do not remove /dev/shm/DynamicProfileShm* segments that no live process maps (left by killed jobs)",
+    )
     dc = DetectorConfig()
     d.add_argument("--slow-ratio", type=float, default=dc.slow_ratio, help="busy / peers' median of a slow step")
     d.add_argument(

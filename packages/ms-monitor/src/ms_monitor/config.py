@@ -74,6 +74,8 @@ class DaemonConfig:
     """detector thresholds"""
     trace_timeout: float = 180.0
     """seconds after which a trace job finishes with whatever arrived"""
+    clean_shm: bool = True
+    """remove MindSpore's hook segments (``/dev/shm/DynamicProfileShm*``) that killed jobs left (``shm.py``)"""
 
     def check(self) -> None:
         _port(self.port, "port")

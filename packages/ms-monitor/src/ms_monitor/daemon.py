@@ -26,7 +26,7 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from . import auth, wire
+from . import auth, shm, wire
 from .clock import KEEP, Clocks, Offset, estimate
 from .config import DaemonConfig
 from .errors import FrameError, MonitorError, WireError
@@ -37,6 +37,8 @@ from .store import Store
 from .traces import TraceJob, TraceManager, dyno_config, start_step
 
 log = logging.getLogger("ms_monitor.daemon")
+#: seconds between sweeps for stale shared memory segments (``shm.py``)
+SHM_SWEEP = 2.0
 
 
 class Conn:
@@ -125,6 +127,7 @@ class Daemon:
                 self.token_file = cfg.token_file or auth.default_token_file(port)
                 auth.write_token(self.token_file, self.token)
                 log.info("ms-monitor daemon: HTTP token written to %s", self.token_file)
+        self._sweep_shm()
         self._tasks = [asyncio.ensure_future(self._tick())]
         if self.relay is not None:
             self._tasks.append(asyncio.ensure_future(self.relay.run()))
@@ -181,12 +184,15 @@ class Daemon:
             auth.remove_token(self.token_file, self.token)
 
     async def _tick(self) -> None:
-        last_flush = time.monotonic()
+        last_flush = last_sweep = time.monotonic()
         while True:
             await asyncio.sleep(0.5)
             try:
                 self._probe_clocks()
                 self.traces.tick()
+                if time.monotonic() - last_sweep > SHM_SWEEP:
+                    self._sweep_shm()
+                    last_sweep = time.monotonic()
                 if time.monotonic() - last_flush > 5:
                     for w in (self.jsonl, self.tensorboard):
                         if w is not None:
@@ -299,6 +305,13 @@ class Daemon:
             if conn.role == "relay":
                 self._relayed_clock(conn, msg)
             self.traces.on_tdone(msg)
+
+    def _sweep_shm(self) -> None:
+        if self.config.clean_shm:
+            try:
+                shm.clean_stale_segments()
+            except OSError as exc:  # no /proc, no /dev/shm: nothing to look after
+                log.debug("ms-monitor daemon: shared memory sweep: %s", exc)
 
     def _probe_clocks(self) -> None:
         """Send every connection a clock probe; the answers come back as ``pong`` (``clock.py``)."""

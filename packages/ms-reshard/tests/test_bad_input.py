@@ -324,7 +324,7 @@ def test_fuzzed_model_plan_gives_only_reshard_error(data):
 def test_plan_fields_are_named():
     d = plan_to_dict(_tiny_plan())
     cases = [
-        ({**d, "version": True}, "reshard plan version True; this reader knows 1..1"),
+        ({**d, "version": True}, "reshard plan version True; this reader knows 1..2"),
         ({**d, "shape": [8, -8]}, "plan field shape = [8, -8] must be a list of non-negative ints"),
         ({**d, "itemsize": 4.0}, "plan field itemsize = 4.0; expected an int >= 1"),
         ({**d, "ranks": {"shape": [2], "data": b"\0" * 8}}, "plan field ranks: shape [2] needs 16 bytes, its data has"),

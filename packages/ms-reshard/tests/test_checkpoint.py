@@ -95,14 +95,23 @@ def test_save_rejects_bad_shards(tmp_path):
     assert not (tmp_path / "c").exists()
 
 
-@pytest.mark.parametrize("dst", [ParallelConfig(dp=3, optimizer_shard=True), ParallelConfig(tp=4), ParallelConfig()])
-def test_read_rank_gives_each_target_rank_its_shards_from_the_source_files(tmp_path, dst):
-    from ms_reshard import model_plan, read_rank
+@pytest.mark.parametrize(
+    "dst, multicast",
+    [
+        (ParallelConfig(dp=3, optimizer_shard=True), False),
+        (ParallelConfig(tp=4), False),
+        (ParallelConfig(), False),
+        (ParallelConfig(dp=4), True),  # replicated target read through multicast rows
+    ],
+)
+def test_read_rank_gives_each_target_rank_its_shards_from_the_source_files(tmp_path, dst, multicast):
+    from ms_reshard import PlanCache, model_plan, read_rank
 
     weights = _save(tmp_path / "ckpt")
     specs, _ = load_checkpoint(tmp_path / "ckpt")
     target = param_specs(llama_shapes(2), dst, num_layers=2)
-    plan = model_plan(specs, target)
+    plan = model_plan(specs, target, cache=PlanCache(multicast_min=0) if multicast else None)
+    assert any(m.plan.multicast is not None for m in plan.moves) == multicast
     files = {r: tmp_path / "ckpt" / f"rank_{r:05d}.safetensors" for r in range(4)}
     ranks = sorted({r for s in target.values() for r in s.layout.ranks})
     for rank in ranks:

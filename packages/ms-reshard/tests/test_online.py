@@ -2,8 +2,9 @@
 
 Kept to two launches (the machine has 2 cores): one runs a set of tensor plans through the numpy
 executor -- all-gather, all-to-all, rounds under a memory cap, disjoint rank sets, collectives off,
-int16 (which gloo cannot move) as raw bits -- the other reshards MindSpore Parameters of a tiny Llama from dp=2,tp=2
-with optimizer sharding to tp=4 (fused qkv/gate_up), and from pp=2 x tp=2 to tp=2 on 2 ranks.
+int16 (which gloo cannot move) as raw bits, multicast rows -- the other reshards MindSpore Parameters
+of a tiny Llama from dp=2,tp=2 with optimizer sharding to tp=4 (fused qkv/gate_up), and from pp=2 x tp=2
+to tp=2 on 2 ranks.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ CASES = [
     (Layout((2,), ("tp",))("tp", "None"), Layout((2,), ("tp",), rank_list=(2, 3))("None", "tp"), (4, 6), {}, {}),
     (L22(("tp", "dp"), "None"), Layout((3,), ("x",), rank_list=(1, 2, 3))("None", "x"), (4, 6), {}, {}),
     (L22("tp", "None"), L4("None", "None"), (8, 4), {}, {"dtype": "int16"}),
+    # multicast rows: one row per (piece, sender), spelled out as sends and receives per rank
+    (Layout((2,), ("dp",))("dp", "None"), L4("None", "None"), (8, 4), {"multicast_min": 0}, {}),
+    (L22(("tp", "dp"), "None"), L22("None", "tp"), (8, 4), {"multicast_min": 0}, {}),
 ]
 
 
@@ -55,6 +59,8 @@ def rank_tensor_plans(group):
 @pytest.mark.needs_torch
 def test_tensor_plans_on_four_gloo_ranks(run_ranks):
     results = run_ranks(rank_tensor_plans, nprocs=4, backend="gloo", timeout=120)
+    forced = [(s, d, shape, kw) for s, d, shape, kw, _ in CASES if kw.get("multicast_min") == 0]
+    assert all(plan(s, d, shape, **kw).multicast is not None for s, d, shape, kw in forced)
     for k, (_, dst, shape, _, run_kw) in enumerate(CASES):
         x = _global(shape, run_kw.get("dtype", "float32")).astype(np.float32)
         for rank in range(4):

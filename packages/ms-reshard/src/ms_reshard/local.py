@@ -60,6 +60,8 @@ def check_shards(plan: TensorPlan, shards: Mapping[int, np.ndarray]) -> np.dtype
 def needed_ranks(plan: TensorPlan) -> set[int]:
     """Source ranks whose shards the plan reads (copies, senders, collective members)."""
     ids = set(plan.copy_id.tolist()) | set(plan.xfer_src.tolist())
+    if plan.multicast is not None:
+        ids.update(plan.multicast.src.tolist())
     for col in plan.collectives:
         ids.update(col.members)
     return {int(plan.ranks[i]) for i in ids}

@@ -19,7 +19,7 @@ from ms_layout import Layout
 from .errors import ReshardError
 from .fusion import DEFAULT_FUSIONS, FusionRule, concat_shape, fused_name, part_names, split_name
 from .plan import TensorPlan
-from .planner import _check_inputs, plan_ids
+from .planner import MULTICAST_MIN, _check_inputs, plan_ids
 
 ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1, "uint8": 1}
 
@@ -124,8 +124,8 @@ class ModelPlan:
 class PlanCache:
     """Plans by exact key, and by key up to an order-preserving relabeling of the ranks."""
 
-    def __init__(self, mem_cap: int | None = None, collectives: bool = True):
-        self.mem_cap, self.collectives = mem_cap, collectives
+    def __init__(self, mem_cap: int | None = None, collectives: bool = True, multicast_min: int | None = MULTICAST_MIN):
+        self.mem_cap, self.collectives, self.multicast_min = mem_cap, collectives, multicast_min
         self.exact: dict[tuple, TensorPlan] = {}
         self.canonical: dict[tuple, TensorPlan] = {}
         self.computed = 0
@@ -150,7 +150,9 @@ class PlanCache:
         )
         core = self.canonical.get(ckey)
         if core is None:
-            core = plan_ids(src, dst, shape, src_ids, dst_ids, ranks, itemsize, self.mem_cap, self.collectives)
+            core = plan_ids(
+                src, dst, shape, src_ids, dst_ids, ranks, itemsize, self.mem_cap, self.collectives, self.multicast_min
+            )
             self.canonical[ckey] = core
             self.computed += 1
         result = core if core.src == src and core.dst == dst else core.relabel(src, dst, ranks)

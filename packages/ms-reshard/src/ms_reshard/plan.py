@@ -22,6 +22,8 @@ import numpy as np
 
 from ms_layout import Layout
 
+from .multicast import Multicast
+
 Box = tuple[tuple[int, int], ...]
 
 
@@ -148,6 +150,9 @@ class TensorPlan:
     """Number of rounds (1 unless the memory cap split the work)."""
     notes: tuple[str, ...] = field(default=())
     """Why a rank receives more than its lower bound, or anything else a reader should know."""
+    multicast: Multicast | None = None
+    """Boxes sent by one rank to many replicas of a target chunk, one row each (multicast.py);
+    None when every transfer is point-to-point. Their transfers follow the point-to-point ones."""
 
     # ---------------------------------------------------------------- queries
     @property
@@ -177,11 +182,27 @@ class TensorPlan:
         """The same plan for layouts whose ranks are an order-preserving relabeling of these."""
         return dataclasses.replace(self, src=src, dst=dst, ranks=ranks)
 
+    def transfers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every point-to-point transfer, multicasts spelled out: (sender ids, receiver ids, rounds,
+        boxes, indices). Indices are what the op lists carry; both ends of a transfer share one."""
+        mc, n = self.multicast, len(self.xfer_src)
+        if mc is None or not len(mc):
+            return self.xfer_src, self.xfer_dst, self.xfer_round, self.xfer_box, np.arange(n)
+        row, recv, pos = mc.expand()
+        return (
+            np.concatenate([self.xfer_src, mc.src[row]]),
+            np.concatenate([self.xfer_dst, recv]),
+            np.concatenate([self.xfer_round, np.zeros(len(row), dtype=np.int64)]),
+            np.concatenate([self.xfer_box, mc.box[row]]),
+            np.concatenate([np.arange(n), n + row * mc.width() + pos]),
+        )
+
     def traffic_matrix(self) -> np.ndarray:
         """[n, n] bytes sent from ranks[i] to ranks[j], collectives included (a picture of the plan)."""
         n = len(self.ranks)
         out = np.zeros((n, n), dtype=np.int64)
-        np.add.at(out, (self.xfer_src, self.xfer_dst), box_elems(self.xfer_box))
+        src, dst, _, boxes, _ = self.transfers()
+        np.add.at(out, (src, dst), box_elems(boxes))
         for col in self.collectives:
             for i in col.members:
                 for j in col.members:
@@ -216,11 +237,12 @@ class TensorPlan:
                 group = tuple(int(ranks[m]) for m in col.members)
                 for m in col.members:
                     out[int(ranks[m])].append(Op(col.kind, rnd, box_tuple(col.piece(m)), group=group, index=i))
-            for i in np.flatnonzero(self.xfer_round == rnd):
-                s, d = int(ranks[self.xfer_src[i]]), int(ranks[self.xfer_dst[i]])
-                box = box_tuple(self.xfer_box[i])
-                out[s].append(Op(OpKind.SEND, rnd, box, peer=d, index=int(i)))
-                out[d].append(Op(OpKind.RECV, rnd, box, peer=s, index=int(i)))
+            src, dst, rounds, boxes, index = self.transfers()
+            for i in np.flatnonzero(rounds == rnd):
+                s, d = int(ranks[src[i]]), int(ranks[dst[i]])
+                box = box_tuple(boxes[i])
+                out[s].append(Op(OpKind.SEND, rnd, box, peer=d, index=int(index[i])))
+                out[d].append(Op(OpKind.RECV, rnd, box, peer=s, index=int(index[i])))
         return out
 
     def rank_ops(self, rank: int) -> list[Op]:
@@ -245,7 +267,25 @@ class TensorPlan:
                     out.append(Op(OpKind.SEND, rnd, box, peer=int(ranks[self.xfer_dst[i]]), index=int(i)))
                 else:
                     out.append(Op(OpKind.RECV, rnd, box, peer=int(ranks[self.xfer_src[i]]), index=int(i)))
+            if rnd == 0 and self.multicast is not None and len(self.multicast):
+                out += self._multicast_ops(me)
         return out
+
+    def _multicast_ops(self, me: int) -> list[Op]:
+        """One rank's sends and receives of the multicast rows, in the order ops_by_rank has them:
+        by row, and within a row by receiver position (a rank is never both ends of one row)."""
+        mc, ranks, n = self.multicast, self.ranks, len(self.xfer_src)
+        width, ops = mc.width(), []
+        rows, recv, pos = mc.expand(np.flatnonzero(mc.src == me))
+        got, my_pos = mc.received_rows(me)
+        for i, r, p in zip(rows, recv, pos):
+            index = n + int(i) * width + int(p)
+            ops.append((int(i), Op(OpKind.SEND, 0, box_tuple(mc.box[i]), peer=int(ranks[r]), index=index)))
+        for i in got:
+            index = n + int(i) * width + my_pos
+            ops.append((int(i), Op(OpKind.RECV, 0, box_tuple(mc.box[i]), peer=int(ranks[mc.src[i]]), index=index)))
+        ops.sort(key=lambda t: t[0])  # stable: a row's sends keep their position order
+        return [op for _, op in ops]
 
     def sources_by_rank(self) -> dict[int, list[tuple[int, Box]]]:
         """For every target rank, (source rank, global box) of every piece of its target shard,
@@ -254,7 +294,8 @@ class TensorPlan:
         out: dict[int, list[tuple[int, Box]]] = {int(r): [] for r in self.dst.ranks}
         for cid, box in zip(self.copy_id, self.copy_box):
             out[int(ranks[cid])].append((int(ranks[cid]), box_tuple(box)))
-        for s, d, box in zip(self.xfer_src, self.xfer_dst, self.xfer_box):
+        src, dst, _, boxes, _ = self.transfers()
+        for s, d, box in zip(src, dst, boxes):
             out[int(ranks[d])].append((int(ranks[s]), box_tuple(box)))
         for col in self.collectives:
             for i, s in enumerate(col.members):
@@ -290,7 +331,8 @@ def format_plan(plan: TensorPlan, max_ranks: int = 16, ops: bool = True) -> str:
         f"  src {plan.src}  ranks {_ranges(plan.src.ranks)}",
         f"  dst {plan.dst}  ranks {_ranges(plan.dst.ranks)}",
         f"  moved {plan.bytes_moved()} B, lower bound {plan.lower_bound_total()} B; "
-        f"{len(plan.copy_id)} copies, {len(plan.xfer_src)} transfers, {len(plan.collectives)} collectives",
+        f"{len(plan.copy_id)} copies, {len(plan.xfer_src)} transfers, {len(plan.collectives)} collectives"
+        + (f", {len(plan.multicast)} multicasts" if plan.multicast is not None else ""),
     ]
     lines += [f"  note: {n}" for n in plan.notes]
     lines.append(f"  {'rank':>6} {'sent':>12} {'received':>12} {'lower bound':>12}")

@@ -13,6 +13,12 @@ same case. For every target rank:
 4. transfer groups that form a complete exchange of equal pieces become an all-gather or an
    all-to-all (collectives.py), and a memory cap splits the rest into rounds (rounds.py).
 
+When the target replicates so much that the transfers would outnumber `multicast_min` (and
+multicasts save at least half the rows), step 3 instead gives each piece one multicast row per
+sender: the replicas of the target chunk, in rank order, are split into equal blocks, one per
+holder of the source chunk in rank order (multicast.py). Planning then costs pieces x senders
+rather than receivers x pieces, which is what keeps DeepSeek-V3 at 4096 ranks to seconds.
+
 Each rank receives exactly the part of its target shard it does not hold: the lower bound.
 Everything is vectorized over ranks and pieces, so one plan costs the same for 8 or 4096 ranks up
 to numpy's per-element work.
@@ -30,8 +36,12 @@ from ms_layout import Layout, LayoutError
 from .collectives import find_collectives
 from .errors import ReshardError
 from .limits import check_layout, check_shape
+from .multicast import Multicast
 from .plan import TensorPlan, box_elems
 from .rounds import assign_rounds
+
+MULTICAST_MIN = 1 << 14
+"""Transfers from which a plan uses multicast rows (a few thousand rows cost nothing either way)."""
 
 
 def plan(
@@ -41,17 +51,20 @@ def plan(
     itemsize: int = 4,
     mem_cap: int | None = None,
     collectives: bool = True,
+    multicast_min: int | None = MULTICAST_MIN,
 ) -> TensorPlan:
     """Plan moving a tensor of `global_shape` from layout `src` to layout `dst`.
 
     `itemsize` only scales the byte counts; `mem_cap` bounds the bytes of send/receive buffers a
-    rank holds in one round; `collectives=False` keeps every transfer point-to-point.
+    rank holds in one round; `collectives=False` keeps every transfer point-to-point;
+    `multicast_min` (None: never; 0: always) is the number of transfers from which a
+    plan without a memory cap uses multicast rows instead.
     """
     shape = _check_inputs(src, dst, global_shape, itemsize, mem_cap)
     ranks = np.union1d(np.asarray(src.ranks, dtype=np.int64), np.asarray(dst.ranks, dtype=np.int64))
     src_ids = np.searchsorted(ranks, np.asarray(src.ranks, dtype=np.int64))
     dst_ids = np.searchsorted(ranks, np.asarray(dst.ranks, dtype=np.int64))
-    return plan_ids(src, dst, shape, src_ids, dst_ids, ranks, itemsize, mem_cap, collectives)
+    return plan_ids(src, dst, shape, src_ids, dst_ids, ranks, itemsize, mem_cap, collectives, multicast_min)
 
 
 def _check_inputs(
@@ -137,6 +150,7 @@ def plan_ids(
     itemsize: int,
     mem_cap: int | None,
     collectives: bool,
+    multicast_min: int | None = MULTICAST_MIN,
 ) -> TensorPlan:
     """The planner proper, on ids (positions in `ranks`) instead of global ranks."""
     ndim, n_ids = len(shape), len(ranks)
@@ -158,6 +172,11 @@ def plan_ids(
     held_chunk[src_ids] = src_chunk
 
     p_dst, p_src, p_box = _pieces(shape, src_splits, dst_splits)
+    if multicast_min is not None and mem_cap is None:
+        pieces = (p_dst, p_src, p_box)
+        found = _multicast_plan(src, dst, shape, src_ids, dst_ids, ranks, itemsize, pieces, holders, multicast_min)
+        if found is not None:
+            return found
     counts = np.bincount(p_dst, minlength=math.prod(dst_splits))
     starts = np.cumsum(counts) - counts
     # Expand pieces to every target rank holding that chunk: one row per (receiver, piece)
@@ -190,6 +209,60 @@ def plan_ids(
     return TensorPlan(
         src, dst, shape, itemsize, mem_cap, ranks, copy_id, copy_box, sender, recv, xfer_round, boxes,
         tuple(cols), sent, received, lower, rounds, tuple(notes),
+    )  # fmt: skip
+
+
+def _multicast_plan(src, dst, shape, src_ids, dst_ids, ranks, itemsize, pieces, holders, multicast_min):
+    """The plan with multicast rows (module docstring), or None when point-to-point is as small."""
+    p_dst, p_src, p_box = pieces
+    n_ids, n_src = len(ranks), math.prod(src.splits)
+    dst_chunk = _flat(chunk_indices(dst), dst.splits)
+    replicas = np.bincount(dst_chunk, minlength=math.prod(dst.splits))
+    n_recv = replicas[p_dst]  # receivers of each piece, before its holders among them copy instead
+    blocks = np.minimum(holders.shape[1], n_recv)
+    if n_recv.sum() < multicast_min or (multicast_min and n_recv.sum() < 2 * blocks.sum()):
+        return None  # (multicast_min=0 forces multicasts, which the tests use)
+    chunk_of = np.full(n_ids, -1, dtype=np.int64)
+    chunk_of[dst_ids] = dst_chunk
+    held = np.full(n_ids, -1, dtype=np.int64)
+    held[src_ids] = _flat(chunk_indices(src), src.splits)
+    # Position of every target id among the replicas of its chunk (ids ascending)
+    order = np.lexsort((dst_ids, dst_chunk))
+    pos = np.zeros(n_ids, dtype=np.int64)
+    pos[dst_ids[order]] = np.arange(len(order)) - (np.cumsum(replicas) - replicas)[dst_chunk[order]]
+    # Local copies: a target id that holds one of its chunk's source chunks. Pieces are unique per
+    # (target chunk, source chunk), so a sorted key finds each id's piece.
+    key = p_dst * n_src + p_src
+    by_key = np.argsort(key, kind="stable")
+    ids = dst_ids[held[dst_ids] >= 0]
+    want = chunk_of[ids] * n_src + held[ids]
+    at = np.minimum(np.searchsorted(key[by_key], want), len(key) - 1)
+    hit = key[by_key[at]] == want
+    copy_id, copy_piece = ids[hit], by_key[at[hit]]
+    # Rows: piece p's receivers split into blocks[p] equal position ranges, block b sent by holder b
+    piece = np.repeat(np.arange(len(p_dst)), blocks)
+    b = np.arange(len(piece)) - np.repeat(np.cumsum(blocks) - blocks, blocks)
+    n, k = n_recv[piece], blocks[piece]
+    lo, hi = b * n // k, (b + 1) * n // k
+    sender = holders[p_src[piece], b]
+    # Receivers a row really has: its range less the ids in it that copy the piece instead
+    width = int(replicas.max()) + 1
+    copies = np.sort(copy_piece * width + pos[copy_id])
+    count = hi - lo - (np.searchsorted(copies, piece * width + hi) - np.searchsorted(copies, piece * width + lo))
+    keep = count > 0
+    piece, sender, lo, hi, count = piece[keep], sender[keep], lo[keep], hi[keep], count[keep]
+    p_elems = box_elems(p_box)
+    sent = np.bincount(sender, weights=count * p_elems[piece], minlength=n_ids).astype(np.int64) * itemsize
+    shard = math.prod(dst.shard_shape(shape))
+    copied = np.bincount(copy_id, weights=p_elems[copy_piece], minlength=n_ids).astype(np.int64)
+    received = np.zeros(n_ids, dtype=np.int64)
+    received[dst_ids] = shard - copied[dst_ids]
+    mc = Multicast(sender, p_box[piece], p_dst[piece], p_src[piece], lo, hi, chunk_of, held)
+    empty = np.zeros(0, dtype=np.int64)
+    return TensorPlan(
+        src, dst, shape, itemsize, None, ranks, copy_id, p_box[copy_piece], empty, empty, empty,
+        np.zeros((0, len(shape), 2), dtype=np.int64), (), sent, received * itemsize,
+        _lower_bound(src, dst, shape, src_ids, dst_ids, n_ids, itemsize), 1, (), mc,
     )  # fmt: skip
 
 

@@ -18,9 +18,12 @@ from ms_layout.serialization import register
 from .errors import ReshardError
 from .limits import check_shape, is_int, short_repr
 from .manifest import parse_layout_data
+from .multicast import Multicast
 from .plan import Collective, OpKind, TensorPlan
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+"""2 added the multicast section (version 1 plans read as plans without multicasts)."""
+_MULTICAST_ROWS = ("src", "target_chunk", "source_chunk", "lo", "hi")
 
 
 def _arr(a: np.ndarray) -> dict:
@@ -94,7 +97,34 @@ def plan_to_dict(plan: TensorPlan) -> dict:
         "bytes": {"sent": _arr(plan.sent), "received": _arr(plan.received), "lower_bound": _arr(plan.lower_bound)},
         "rounds": plan.rounds,
         "notes": list(plan.notes),
+        "multicast": None if plan.multicast is None else _multicast_to_dict(plan.multicast),
     }
+
+
+def _multicast_to_dict(mc: Multicast) -> dict:
+    out = {k: _arr(getattr(mc, k)) for k in _MULTICAST_ROWS}
+    out |= {"box": _arr(mc.box), "dst_chunk": _arr(mc.dst_chunk), "src_chunk": _arr(mc.src_chunk)}
+    return out
+
+
+def _multicast(d: Any, n: int, nd: int, dst_chunks: int, src_chunks: int) -> Multicast | None:
+    if d is None:
+        return None
+    if not isinstance(d, dict):
+        raise ReshardError(f"plan field multicast = {short_repr(d)}; expected a map or nil")
+    src = _ids(_unarr(d.get("src"), "multicast.src", (None,)), n, "multicast.src")
+    m = len(src)
+    rows = {k: _unarr(d.get(k), f"multicast.{k}", (m,)) for k in _MULTICAST_ROWS[1:]}
+    box = _unarr(d.get("box"), "multicast.box", (m, nd, 2))
+    dst_chunk = _ids(_unarr(d.get("dst_chunk"), "multicast.dst_chunk", (n,)), dst_chunks, "multicast.dst_chunk", -1)
+    src_chunk = _ids(_unarr(d.get("src_chunk"), "multicast.src_chunk", (n,)), src_chunks, "multicast.src_chunk", -1)
+    _ids(rows["target_chunk"], dst_chunks, "multicast.target_chunk")
+    _ids(rows["source_chunk"], src_chunks, "multicast.source_chunk")
+    replicas = np.bincount(dst_chunk[dst_chunk >= 0], minlength=dst_chunks)
+    lo, hi = rows["lo"], rows["hi"]
+    if m and ((lo < 0).any() or (hi <= lo).any() or (hi > replicas[rows["target_chunk"]]).any()):
+        raise ReshardError("plan field multicast holds receiver ranges outside their target chunk's replicas")
+    return Multicast(src, box, rows["target_chunk"], rows["source_chunk"], lo, hi, dst_chunk, src_chunk)
 
 
 def plan_from_dict(d: Any) -> TensorPlan:
@@ -135,13 +165,14 @@ def plan_from_dict(d: Any) -> TensorPlan:
     if not isinstance(notes, list) or not all(isinstance(s, str) for s in notes):
         raise ReshardError(f"plan field notes = {short_repr(notes)}; expected a list of strings")
     rounds = _int(d.get("rounds"), "rounds", 1)
+    mc = _multicast(d.get("multicast"), n, nd, math.prod(dst.splits), math.prod(src.splits))
     if (xfer_round.size and (xfer_round.min() < 0 or xfer_round.max() >= rounds)) or any(
         c.round >= rounds for c in cols
     ):
         raise ReshardError(f"plan holds rounds outside 0..{rounds - 1}")
     return TensorPlan(
         src, dst, shape, itemsize, mem_cap, ranks, copy_id, copy_box, xfer_src, xfer_dst, xfer_round, xfer_box,
-        cols, *counts, rounds, tuple(notes),
+        cols, *counts, rounds, tuple(notes), mc,
     )  # fmt: skip
 
 

@@ -38,9 +38,10 @@ def validate(plan: TensorPlan) -> None:
     src_box, in_src = _owned_boxes(plan, "src")
     dst_box, in_dst = _owned_boxes(plan, "dst")
     # Every piece a rank obtains: (receiver id, box, sender id or -1 for a local copy)
-    recv = [plan.copy_id, plan.xfer_dst]
-    send = [plan.copy_id, plan.xfer_src]
-    boxes = [plan.copy_box, plan.xfer_box]
+    x_src, x_dst, _, x_box, _ = plan.transfers()  # multicasts spelled out
+    recv = [plan.copy_id, x_dst]
+    send = [plan.copy_id, x_src]
+    boxes = [plan.copy_box, x_box]
     for col in plan.collectives:
         for i, s in enumerate(col.members):
             for j, r in enumerate(col.members):

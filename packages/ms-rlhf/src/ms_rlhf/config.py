@@ -100,6 +100,11 @@ class TrainConfig:
     tp: int = 1
     """Tensor-parallel size of the training model (llama/qwen2; runs eagerly): the ranks form
     world / tp data-parallel replicas of tp consecutive ranks each."""
+    pp: int = 1
+    """Pipeline-parallel size of the training model: its blocks over all pp ranks of the run
+    (dp = tp = 1), run by ms-pipeline's runtime with `pipeline_schedule`; needs packing=false."""
+    pipeline_schedule: str = "zbv"
+    """ms-pipeline schedule of the pipelined actor: "zbv" (ZeroBubbleV), "1f1b", "gpipe", ..."""
     ref_sync_every: int = 0
     """Copy the policy into the reference model every this many steps (0: frozen reference)."""
     checkpoint_dir: str | None = None
@@ -149,6 +154,13 @@ class TrainConfig:
             raise RLHFError(
                 f"config updates_per_rollout={self.updates_per_rollout} must divide the "
                 f"{self.prompts_per_step * self.samples_per_prompt} samples of a rollout"
+            )
+        if not isinstance(self.pipeline_schedule, str) or not self.pipeline_schedule:
+            raise RLHFError(f"config pipeline_schedule={_show(self.pipeline_schedule)}: expected a schedule name")
+        if self.pp > 1 and (self.packing or self.tp > 1):
+            raise RLHFError(
+                f"config pp={self.pp} needs packing=false and tp=1 (pipeline blocks see each row as one causal "
+                f"sequence; got packing={self.packing}, tp={self.tp})"
             )
         if not isinstance(self.task_params, dict):
             raise RLHFError(f"config task_params={_show(self.task_params)}: expected an object")
@@ -220,6 +232,7 @@ _POSITIVE = (
     "block_size",
     "keep_checkpoints",
     "tp",
+    "pp",
 )
 _LIMITED = {
     "dataset_size": MAX_DATASET_SIZE,

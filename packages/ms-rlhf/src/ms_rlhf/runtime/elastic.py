@@ -19,11 +19,13 @@ bit for bit (docs/ms-rlhf.md, "Elastic resume").
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import numpy as np
 
 from .. import checkpoint
 from ..errors import CheckpointError
+from .pipelined import build_schedule, owners
 from .sync import layouts
 
 #: prefixes of the checkpoint keys stored in the master layout (the rest are replicated scalars)
@@ -43,30 +45,56 @@ def split_keys(keys, names) -> tuple[dict[str, str], list[str]]:
     return sharded, replicated
 
 
-def specs(model_config, world: int, sharded: bool, tp: int, keys: dict[str, str]) -> dict:
-    """{key: ms_reshard.ParamSpec} of the master-layout keys for `world` ranks."""
+def specs(model_config, world: int, layout: Layout, keys: dict[str, str]) -> dict:
+    """{key: ms_reshard.ParamSpec} of the master-layout keys for `world` ranks under `layout`."""
     import ms_models
 
     shapes = {k: tuple(v) for k, v in ms_models.param_shapes(model_config).items()}
-    by_name = layouts(model_config, world, sharded, shapes, tp)
+    owner = None
+    if layout.pp > 1:
+        microbatches = 4 * layout.pp  # any count the schedule takes: its stage-to-rank map is the same
+        owner = owners(shapes, model_config.num_hidden_layers, build_schedule(layout.schedule, world, microbatches))
+    by_name = layouts(model_config, world, layout.sharded, shapes, layout.tp, owner)
     return {key: by_name[name] for key, name in keys.items()}
 
 
-def saved_layout(path: str, state: dict, world: int) -> tuple[bool, int]:
-    """(optimizer sharding, tp) of the run of `world` ranks that wrote the checkpoint (its `state`)."""
+class Layout(NamedTuple):
+    """How a run kept its master weights (besides its number of ranks)."""
+
+    sharded: bool
+    """Optimizer sharding (ZeRO) over the DP replicas."""
+    tp: int
+    """Tensor-parallel size."""
+    pp: int
+    """Pipeline-parallel size."""
+    schedule: str
+    """The pipeline schedule (which stage sits on which rank)."""
+
+
+def run_layout(config) -> Layout:
+    """The Layout of a TrainConfig."""
+    return Layout(config.optimizer_shard, config.tp, config.pp, config.pipeline_schedule)
+
+
+def saved_layout(path: str, state: dict, world: int) -> Layout:
+    """The Layout of the run of `world` ranks that wrote the checkpoint (its `state`)."""
     saved = state.get("config")
     if not isinstance(saved, dict) or not isinstance(saved.get("optimizer_shard"), bool):
         raise CheckpointError(f"checkpoint {path!r}: state.json does not say whether its optimizer was sharded")
-    tp = saved.get("tp", 1)  # written before tensor parallel training existed: 1
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or world % tp:
-        raise CheckpointError(f"checkpoint {path!r}: state.json holds tp={tp!r}, not a divisor of its ranks")
-    return saved["optimizer_shard"], tp
+    sizes = {k: saved.get(k, 1) for k in ("tp", "pp")}  # written before TP/PP training existed: 1
+    for key, size in sizes.items():
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world % size:
+            raise CheckpointError(f"checkpoint {path!r}: state.json holds {key}={size!r}, not a divisor of its ranks")
+    schedule = saved.get("pipeline_schedule", "zbv")
+    if not isinstance(schedule, str):
+        raise CheckpointError(f"checkpoint {path!r}: state.json holds pipeline_schedule={schedule!r}")
+    return Layout(saved["optimizer_shard"], sizes["tp"], sizes["pp"], schedule)
 
 
-def load(path: str, manifest: dict, state: dict, model_config, rank: int, world: int, sharded: bool, tp: int):
+def load(path: str, manifest: dict, state: dict, model_config, rank: int, world: int, layout: Layout):
     """This rank's arrays (keys as ``GRPOTrainer.save_checkpoint`` writes them) from a checkpoint
-    (its verified `manifest` and `state`) written under another layout; `world`, `sharded` and `tp`
-    are this run's. Every file is verified first; a layout the files do not hold is a
+    (its verified `manifest` and `state`) written under another layout; `world` and `layout` are
+    this run's. Every file is verified first; a layout the files do not hold is a
     CheckpointError."""
     from safetensors import safe_open
 
@@ -76,15 +104,20 @@ def load(path: str, manifest: dict, state: dict, model_config, rank: int, world:
     checkpoint.verify(path)  # every old rank's file: sizes and sha256
     old_world = manifest["world_size"]
     files = {r: os.path.join(path, checkpoint.rank_file(r)) for r in range(old_world)}
+    names, stored = set(ms_models.param_shapes(model_config)), set()
+    for r, file in files.items():  # a pipeline stage's rank holds only its own parameters
+        try:
+            with safe_open(file, framework="numpy") as f:
+                stored.update(f.keys())
+                if r == 0:
+                    _, replicated = split_keys(list(f.keys()), names)
+                    scalars = {k: f.get_tensor(k) for k in replicated}
+        except Exception as exc:  # safetensors' own error types for a malformed header
+            raise CheckpointError(f"checkpoint {path!r}: {checkpoint.rank_file(r)} is unreadable ({exc})") from None
+    keys, _ = split_keys(sorted(stored), names)
     try:
-        with safe_open(files[0], framework="numpy") as first:
-            keys, replicated = split_keys(list(first.keys()), set(ms_models.param_shapes(model_config)))
-            scalars = {k: first.get_tensor(k) for k in replicated}
-    except Exception as exc:  # safetensors' own error types for a malformed header
-        raise CheckpointError(f"checkpoint {path!r}: {checkpoint.rank_file(0)} is unreadable ({exc})") from None
-    try:
-        plan = model_plan(specs(model_config, old_world, *saved_layout(path, state, old_world), keys),
-                          specs(model_config, world, sharded, tp, keys))  # fmt: skip
+        plan = model_plan(specs(model_config, old_world, saved_layout(path, state, old_world), keys),
+                          specs(model_config, world, layout, keys))  # fmt: skip
         arrays = read_rank(plan, rank, files)
     except ReshardError as exc:
         raise CheckpointError(f"checkpoint {path!r} cannot be resharded to {world} ranks: {exc}") from None

@@ -43,6 +43,30 @@ def build_model(config, tokenizer, seed: int):
     return model
 
 
+def grpo_loss_fn(eps: float, beta: float):
+    """The GRPO loss as a function of [B, W] target log-probs `logp`, token weights, per-token
+    advantages and old/reference log-probs -> (sum(w * (pg + beta * kl)), (sum(w * pg),
+    sum(w * kl), clipped tokens)): the clipped PPO ratio term and the k3 KL estimate, positions of
+    weight 0 contributing nothing. Traceable by mindspore.jit (a closure over its constants)."""
+    import mindspore as ms
+    from mindspore import ops
+
+    eps, beta = float(eps), float(beta)
+
+    def grpo_loss(logp, weights, adv, old, ref):
+        on = weights > 0
+        ratio = ops.exp(ops.where(on, logp - old, ops.zeros_like(logp)))
+        unclipped, clipped = ratio * adv, ops.clamp(ratio, 1 - eps, 1 + eps) * adv
+        pg = -ops.minimum(unclipped, clipped)
+        diff = ops.where(on, ref - logp, ops.zeros_like(logp))
+        kl = ops.exp(diff) - diff - 1
+        total = ((pg + beta * kl) * weights).sum()
+        clip_count = ops.logical_and(on, unclipped > clipped).astype(ms.float32).sum()
+        return total, ((pg * weights).sum(), (kl * weights).sum(), clip_count)
+
+    return grpo_loss
+
+
 class PolicyFunctions:
     """Log-probs and the GRPO loss with its gradients for one model."""
 
@@ -52,7 +76,7 @@ class PolicyFunctions:
 
         self.model = model
         self.params = model.trainable_params()
-        eps, beta = float(clip_eps), float(kl_coef)
+        grpo_loss = grpo_loss_fn(clip_eps, kl_coef)
 
         def logprobs(ids, positions, segments, targets):
             logits = model(ids, positions, segments)
@@ -60,16 +84,7 @@ class PolicyFunctions:
             return ops.gather_elements(logp, -1, targets.expand_dims(-1)).squeeze(-1)
 
         def loss(ids, positions, segments, targets, weights, adv, old, ref):
-            logp = logprobs(ids, positions, segments, targets)
-            on = weights > 0
-            ratio = ops.exp(ops.where(on, logp - old, ops.zeros_like(logp)))
-            unclipped, clipped = ratio * adv, ops.clamp(ratio, 1 - eps, 1 + eps) * adv
-            pg = -ops.minimum(unclipped, clipped)
-            diff = ops.where(on, ref - logp, ops.zeros_like(logp))
-            kl = ops.exp(diff) - diff - 1
-            total = ((pg + beta * kl) * weights).sum()
-            clip_count = ops.logical_and(on, unclipped > clipped).astype(ms.float32).sum()
-            return total, ((pg * weights).sum(), (kl * weights).sum(), clip_count)
+            return grpo_loss(logprobs(ids, positions, segments, targets), weights, adv, old, ref)
 
         self._logprobs = logprobs
         self._grad = ms.value_and_grad(loss, None, self.params, has_aux=True)

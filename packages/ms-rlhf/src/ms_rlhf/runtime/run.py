@@ -13,9 +13,10 @@ from ..errors import CheckpointError, RLHFError
 
 log = logging.getLogger("ms_rlhf")
 
-#: config keys a resumed run may change (optimizer_shard and tp are layouts: resharded on resume, like a new
-#: number of ranks); anything else must match the checkpoint's config
-RESUMABLE_CHANGES = {"steps", "checkpoint_dir", "checkpoint_every", "keep_checkpoints", "optimizer_shard", "tp"}
+#: config keys a resumed run may change (optimizer_shard, tp, pp and the schedule are layouts:
+#: resharded on resume, like a new number of ranks); anything else must match the checkpoint's config
+RESUMABLE_CHANGES = {"steps", "checkpoint_dir", "checkpoint_every", "keep_checkpoints"}
+RESUMABLE_CHANGES |= {"optimizer_shard", "tp", "pp", "pipeline_schedule"}
 
 
 def _resume_path(config: TrainConfig, resume: str | None, group) -> tuple[str | None, list[dict[str, str]]]:
@@ -107,12 +108,12 @@ def train(
         if first:
             log.info(
                 "step %d/%d reward %.3f acc %.3f loss %.4f kl %.4f tok/s %.0f rollout %.2fs train %.2fs sync %.3fs",
-                m["step"], config.steps, m["reward"], m["accuracy"], m["loss"], m["kl"], m["tokens_per_s"],
+                m["step"], config.steps, m["reward"], m["accuracy"], m["loss"], _nan(m["kl"]), m["tokens_per_s"],
                 m["rollout_makespan_s"], m["train_s"], m["sync_s"],
             )  # fmt: skip
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(reward=f"{m['reward']:.3f}", loss=f"{m['loss']:.4f}", kl=f"{m['kl']:.4f}",
+            bar.set_postfix(reward=f"{m['reward']:.3f}", loss=f"{m['loss']:.4f}", kl=f"{_nan(m['kl']):.4f}",
                             tok_s=f"{m['tokens_per_s']:.0f}")  # fmt: skip
         if on_step is not None:
             on_step(m)
@@ -136,6 +137,10 @@ def train(
         "losses": [h["loss"] for h in trainer.history],
         "last": trainer.history[-1] if trainer.history else None,
     }
+
+
+def _nan(value: float | None) -> float:
+    return float("nan") if value is None else value
 
 
 def _saved_config(path: str) -> dict:

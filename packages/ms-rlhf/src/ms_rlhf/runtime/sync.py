@@ -12,6 +12,8 @@ the reference model (whole on every rank). Each read is an
 * one rank: source and target layouts are the same, so the plan is all local copies;
 * tensor parallel training (``tp``): the training model holds the master's TP slices, so its plan
   gathers only over the DP replicas; the rollout and reference models stay whole on every rank;
+* pipeline parallel training: each parameter lives on its stage's rank only (master, Adam state,
+  the stage's blocks); the rollout and reference models get it from there (a broadcast);
 * sharded master to replicated models: the plan is an all-gather, moving exactly the bytes each
   rank lacks (ms-reshard's lower bound), one parameter at a time -- no rank ever materialises a
   second full copy of the model as the gather-everything approach does (verl #6772's OOM,
@@ -41,12 +43,18 @@ class SyncStats:
     """Bytes this rank copied locally."""
 
 
-def layouts(config, world: int, sharded: bool, shapes: Mapping[str, tuple[int, ...]], tp: int = 1):
+def layouts(config, world: int, sharded: bool, shapes: Mapping[str, tuple[int, ...]], tp: int = 1, owner=None):
     """{name: ms_reshard.ParamSpec} of every parameter over `world` ranks: tp-way tensor parallel
     (ms_models.parallel.training_layouts; tp=1: whole) and replicated over the world / tp DP
-    replicas, or with `sharded` also split along dim 0 over them where it divides (ZeRO)."""
+    replicas, or with `sharded` also split along dim 0 over them where it divides (ZeRO). With
+    `owner` ({name: rank}, pipeline parallel) each parameter is whole on its owner only."""
     from ms_models.parallel import training_layouts
     from ms_reshard import ParamSpec, stored_layout
+
+    if owner is not None:
+        from .pipelined import layouts as pipeline_layouts
+
+        return pipeline_layouts(shapes, owner)
 
     parallel = ParallelConfig(dp=world // tp, tp=tp, optimizer_shard=sharded)
     out = {}
@@ -61,7 +69,7 @@ class WeightSync:
     the replicated layout of the rollout and reference models, made once; `run` moves one set of
     master-layout weights into one model's Parameters."""
 
-    def __init__(self, config, group, sharded: bool, tp: int = 1):
+    def __init__(self, config, group, sharded: bool, tp: int = 1, owner=None):
         import ms_models
         from ms_reshard import model_plan
 
@@ -69,8 +77,8 @@ class WeightSync:
         self.rank = int(group.ranks[group.rank])
         shapes = {k: tuple(v) for k, v in ms_models.param_shapes(config).items()}
         self.shapes = shapes
-        self.master = layouts(config, group.size, sharded, shapes, tp)
-        self.train = layouts(config, group.size, False, shapes, tp)
+        self.master = layouts(config, group.size, sharded, shapes, tp, owner)
+        self.train = layouts(config, group.size, False, shapes, tp, owner)
         self.replica = layouts(config, group.size, False, shapes)
         self.to_train = model_plan(self.master, self.train)
         self.to_replica = model_plan(self.master, self.replica)
@@ -78,6 +86,11 @@ class WeightSync:
         self.received_bytes = int(per_rank["received"])
         self.lower_bound_bytes = int(per_rank["lower_bound"])
         self.total_bytes = sum(int(np.prod(s)) * 4 for s in shapes.values())
+
+    def held(self, name: str) -> bool:
+        """Whether this rank keeps any of the parameter's master weights (not so for another
+        pipeline stage's)."""
+        return self.rank in self.master[name].layout.ranks
 
     def master_slice(self, name: str) -> tuple[slice, ...]:
         """This rank's slice of a full parameter in the master layout."""

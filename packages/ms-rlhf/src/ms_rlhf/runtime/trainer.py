@@ -34,7 +34,8 @@ from ..sampling import split
 from ..tasks import PromptStream, make_task
 from . import elastic
 from .experience import make_experience, micro_batches, weights_for
-from .group import all_gather_objects, tp_and_dp_groups, world_group
+from .group import SingleProcessGroup, all_gather_objects, tp_and_dp_groups, world_group
+from .pipelined import PipelinedActor, owners
 from .policy import PolicyFunctions, build_model, response_values, row_weights
 from .rollout import Completion, EmbeddedEngine, Request
 from .sync import WeightSync
@@ -60,24 +61,36 @@ class GRPOTrainer:
         self.stream = PromptStream(self.task, cfg.seed, cfg.dataset_size)
         # Only the training model starts from the initial weights; the other two start elsewhere
         # and get theirs through weight sync, which is what the tests check.
-        if self.world % cfg.tp:
-            raise RLHFError(f"config tp={cfg.tp} does not divide the {self.world} ranks of this run")
-        self.tp, self.dp, self.dp_rank = cfg.tp, self.world // cfg.tp, self.rank // cfg.tp
+        if self.world % cfg.tp or (cfg.pp > 1 and self.world != cfg.pp):
+            raise RLHFError(f"config tp={cfg.tp}, pp={cfg.pp} do not fit the {self.world} ranks of this run "
+                            "(tp must divide them; pipeline training runs on exactly pp ranks)")  # fmt: skip
+        self.tp, self.pp = cfg.tp, cfg.pp
+        self.dp = self.world // (cfg.tp * cfg.pp)
+        self.dp_rank = self.rank // cfg.tp if cfg.pp == 1 else 0
         self.tp_group, self.dp_group = tp_and_dp_groups(self.group, cfg.tp)
+        if cfg.pp > 1:
+            self.dp_group = SingleProcessGroup()
         model = build_model(cfg, self.tokenizer, cfg.seed)
         self.model_config = model.config
         full = {n: p.asnumpy() for n, p in model.parameters_and_names()}
         self.model = model if cfg.tp == 1 else training_shard(model, self.tp_group)
         self.infer_model = build_model(cfg, self.tokenizer, cfg.seed + 1000)
         self.ref_model = build_model(cfg, self.tokenizer, cfg.seed + 2000)
-        self.sync = WeightSync(self.model_config, self.group, cfg.optimizer_shard, cfg.tp)
+        self.actor, owner = None, None
+        if cfg.pp > 1:
+            m = -(-cfg.prompts_per_step * cfg.samples_per_prompt // cfg.updates_per_rollout // cfg.micro_batch_size)
+            self.actor = PipelinedActor(model, self.group, m, cfg.micro_batch_size, cfg.max_pack_len, cfg)
+            owner = owners(full, self.model_config.num_hidden_layers, self.actor.schedule)
+        self.sync = WeightSync(self.model_config, self.group, cfg.optimizer_shard, cfg.tp, owner)
         self.master = {n: Parameter(Tensor(full[n][self.sync.master_slice(n)].copy()), name=f"master.{n}")
-                       for n in self.sync.master}  # fmt: skip
+                       for n in self.sync.master if self.sync.held(n)}  # fmt: skip
         self.ref_shards = {n: p.asnumpy().copy() for n, p in self.master.items()}
-        self.trainable = [p.name for p in self.model.trainable_params()]
+        self.trainable = [p.name for p in self.model.trainable_params() if p.name in self.master]
         self.optimizer = nn.Adam([self.master[n] for n in self.trainable], learning_rate=cfg.lr)
-        # the TP shard's collectives run on the host, between compiled pieces: eager under tp > 1
-        self.policy = PolicyFunctions(self.model, cfg.clip_eps, cfg.kl_coef, cfg.jit and cfg.tp == 1)
+        # the TP shard's collectives run on the host, between compiled pieces: eager under tp > 1;
+        # under pp > 1 the whole rollout model gives the old log-probs (the same weights)
+        policy_model = self.infer_model if cfg.pp > 1 else self.model
+        self.policy = PolicyFunctions(policy_model, cfg.clip_eps, cfg.kl_coef, cfg.jit and cfg.tp == 1)
         self.reference = PolicyFunctions(self.ref_model, cfg.clip_eps, cfg.kl_coef, cfg.jit)
         mode = cfg.rollout_mode if cfg.rollout_mode != "auto" else ("jit" if cfg.jit else "paged")
         if engine is None and cfg.rollout_engine == "vllm":
@@ -140,8 +153,11 @@ class GRPOTrainer:
         t_train = time.perf_counter()
         total = len(exp.sequences)
         size = total // cfg.updates_per_rollout
-        width = (cfg.max_pack_len if cfg.packing else max(len(p) for p in prompts) + cfg.max_new_tokens) if cfg.jit \
-            else None  # fmt: skip
+        width = None  # eager: each micro-batch as wide as its rows
+        if self.pp > 1 or (cfg.jit and cfg.packing):  # one shape: one pipeline, one compiled graph
+            width = cfg.max_pack_len
+        elif cfg.jit:
+            width = max(len(p) for p in prompts) + cfg.max_new_tokens
         plans, pack_stats = [], {"packs": 0, "pack_lower_bound": 0, "row_tokens": 0, "pad_tokens": 0}
         for u in range(cfg.updates_per_rollout):
             samples = range(u * size, (u + 1) * size)
@@ -170,9 +186,9 @@ class GRPOTrainer:
             reward=float(exp.rewards.mean()),
             accuracy=float((exp.rewards == 1.0).mean()),
             loss=sums[0] / cfg.updates_per_rollout,
-            pg=sums[1] / cfg.updates_per_rollout,
-            kl=sums[2] / cfg.updates_per_rollout,
-            clip_frac=sums[3] / loss_tokens / cfg.updates_per_rollout,
+            pg=_known(sums[1] / cfg.updates_per_rollout),  # None under pp > 1 (the loss alone comes back)
+            kl=_known(sums[2] / cfg.updates_per_rollout),
+            clip_frac=_known(sums[3] / loss_tokens / cfg.updates_per_rollout),
             response_len=float(exp.response_lens.mean()),
             train_s=train_s,
             train_tokens_per_s=tokens / train_s,
@@ -188,14 +204,13 @@ class GRPOTrainer:
     def _update(self, exp, samples, mbs, olds, refs) -> np.ndarray:
         cfg = self.config
         weights = weights_for(exp, samples, cfg.loss_aggregation)
-        acc = [np.zeros(p.shape, np.float32) for p in self.policy.params]
-        stats = np.zeros(4)
-        for mb, old, ref in zip(mbs, olds, refs):
-            w = [row_weights(r, weights) for r in mb.rows]
-            s, grads = self.policy.loss_and_grads(mb.rows, w, exp.advantages, list(old), list(ref))
-            stats += s
-            for a, g in zip(acc, grads):
-                a += g
+        if self.actor is not None:  # the pipeline runs every micro-batch in one step
+            w = [[row_weights(r, weights) for r in mb.rows] for mb in mbs]
+            loss, by_name = self.actor.loss_and_grads(mbs, w, exp.advantages, olds, refs)
+            acc = [by_name[n] for n in self.trainable]
+            stats = np.array([loss, np.nan, np.nan, np.nan])  # the pipeline returns the loss alone
+        else:
+            acc, stats = self._micro_batch_grads(mbs, weights, exp.advantages, olds, refs)
         flat = np.concatenate([a.reshape(-1) for a in acc] + [stats.astype(np.float32)])
         self.dp_group.all_reduce(flat)  # SUM: the weights already hold the global 1/|s| and 1/S factors
         grads, offset = [], 0
@@ -213,17 +228,31 @@ class GRPOTrainer:
         self.sync.run(self.master, dict(self.model.parameters_and_names()), to="train")
         return stats
 
+    def _micro_batch_grads(self, mbs, weights, adv, olds, refs) -> tuple[list, np.ndarray]:
+        """Gradients and (loss, pg, kl, clipped) summed over this rank's micro-batches, one by one."""
+        acc = [np.zeros(p.shape, np.float32) for p in self.policy.params]
+        stats = np.zeros(4)
+        for mb, old, ref in zip(mbs, olds, refs):
+            w = [row_weights(r, weights) for r in mb.rows]
+            s, grads = self.policy.loss_and_grads(mb.rows, w, adv, list(old), list(ref))
+            stats += s
+            for a, g in zip(acc, grads):
+                a += g
+        return acc, stats
+
     def _grad_norm(self, grads) -> float:
         """The global gradient norm: a TP-split gradient's squares summed over the TP ranks, a
-        replicated one's counted once."""
+        pipeline stage's over the stages' ranks, a replicated one's counted once."""
         whole, split = 0.0, np.zeros(1)
         for n, g in zip(self.trainable, grads):
             square = float(np.dot(g.reshape(-1).astype(np.float64), g.reshape(-1)))
-            if self.sync.tp_split(n):
+            if self.pp > 1 or self.sync.tp_split(n):
                 split[0] += square
             else:
                 whole += square
-        if self.tp > 1:
+        if self.pp > 1:
+            self.group.all_reduce(split)
+        elif self.tp > 1:
             self.tp_group.all_reduce(split)
         return float(np.sqrt(whole + split[0]))
 
@@ -278,12 +307,12 @@ class GRPOTrainer:
         path = checkpoint.resolve(path)
         manifest = checkpoint.read_manifest(path)
         state = checkpoint.read_state(path, manifest)
-        rank, shard = int(self.group.ranks[self.rank]), self.config.optimizer_shard
-        layout = (self.world, shard, self.tp)
-        if (manifest["world_size"], *elastic.saved_layout(path, state, manifest["world_size"])) == layout:
+        rank, layout = int(self.group.ranks[self.rank]), elastic.run_layout(self.config)
+        saved = elastic.saved_layout(path, state, manifest["world_size"])
+        if (manifest["world_size"], saved) == (self.world, layout):
             arrays, state = checkpoint.load(path, rank, self.world)
         else:
-            arrays = elastic.load(path, manifest, state, self.model_config, rank, *layout)
+            arrays = elastic.load(path, manifest, state, self.model_config, rank, self.world, layout)
             log.info("resharded %s from %d to %d ranks", path, manifest["world_size"], self.world)
         try:
             self._restore(arrays, state)
@@ -311,6 +340,10 @@ class GRPOTrainer:
         self._ms.set_rng_state(Tensor(np.asarray(state["mindspore_rng"], np.uint8)))
         self.length_memory = dict(state["length_memory"])
         self.history = list(state["history"])
+
+
+def _known(value: float) -> float | None:
+    return None if np.isnan(value) else float(value)
 
 
 def _repeat(batch, n):

@@ -77,6 +77,16 @@ def test_pp2_tp2_to_tp2_on_two_of_the_ranks():
     per_rank = mp.per_rank()
     assert per_rank[2]["received"] == per_rank[3]["received"] == 0  # stage 1 only sends
     assert per_rank[2]["sent"] > 0
+    # the totals add each shared plan once per move, like a plain sum over the moves
+    want: dict[int, dict[str, int]] = {}
+    for m in mp.moves:
+        for row in m.plan.per_rank():
+            acc = want.setdefault(row["rank"], {"sent": 0, "received": 0, "lower_bound": 0})
+            for k in acc:
+                acc[k] += row[k]
+    assert per_rank == dict(sorted(want.items())) and list(per_rank) == sorted(want)
+    assert mp.bytes_moved() == sum(m.plan.bytes_moved() for m in mp.moves) == sum(r["received"] for r in want.values())
+    assert mp.lower_bound_total() == sum(r["lower_bound"] for r in want.values())
 
 
 def test_fused_to_fused_with_another_tp_goes_part_by_part():

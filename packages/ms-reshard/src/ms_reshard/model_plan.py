@@ -84,21 +84,47 @@ class ModelPlan:
 
     def per_rank(self) -> dict[int, dict[str, int]]:
         """Per global rank: bytes sent, received and the lower bound, summed over all moves."""
-        out: dict[int, dict[str, int]] = {}
+        # Moves that share a plan's arrays (the caches) are added once, times their count.
+        groups: dict[tuple[int, ...], list] = {}
         for move in self.moves:
-            for row in move.plan.per_rank():
-                acc = out.setdefault(row["rank"], {"sent": 0, "received": 0, "lower_bound": 0})
-                for k in acc:
-                    acc[k] += row[k]
-        return dict(sorted(out.items()))
+            p = move.plan
+            key = (id(p.ranks), id(p.sent), id(p.received), id(p.lower_bound))
+            entry = groups.get(key)
+            if entry is None:
+                groups[key] = [p, 1]
+            else:
+                entry[1] += 1
+        if not groups:
+            return {}
+        n = max(int(p.ranks.max(initial=-1)) for p, _ in groups.values()) + 1
+        acc = np.zeros((3, n), dtype=np.int64)
+        touched = np.zeros(n, dtype=bool)
+        for p, count in groups.values():
+            acc[:, p.ranks] += count * np.stack([p.sent, p.received, p.lower_bound])
+            touched[p.ranks] = True
+        return {
+            int(r): {"sent": int(acc[0, r]), "received": int(acc[1, r]), "lower_bound": int(acc[2, r])}
+            for r in np.flatnonzero(touched)
+        }
 
     def bytes_moved(self) -> int:
         """Total bytes received by all ranks."""
-        return sum(m.plan.bytes_moved() for m in self.moves)
+        return self._total("received")
 
     def lower_bound_total(self) -> int:
         """Total of all per-rank lower bounds."""
-        return sum(m.plan.lower_bound_total() for m in self.moves)
+        return self._total("lower_bound")
+
+    def _total(self, field: str) -> int:
+        sums: dict[int, int] = {}  # one sum per array, however many moves share it
+        total = 0
+        for m in self.moves:
+            arr = getattr(m.plan, field)
+            s = sums.get(id(arr))
+            if s is None:
+                s = sums[id(arr)] = int(arr.sum())
+            total += s
+        return total
 
     def unique_plans(self) -> int:
         """Distinct plan arrays (plans shared through the caches count once)."""
@@ -129,25 +155,33 @@ class PlanCache:
         self.exact: dict[tuple, TensorPlan] = {}
         self.canonical: dict[tuple, TensorPlan] = {}
         self.computed = 0
+        # Whole-model planning asks ~45k times for ~200 plans; what makes a repeat cheap is not
+        # hashing 4096-rank layouts again: the layouts of one stage and owner are shared objects
+        # (specs.param_specs), so repeats are found by identity first (the value keeps them alive).
+        self._by_id: dict[tuple, tuple[Layout, Layout, TensorPlan]] = {}
+        self._seen_layouts: dict[int, Layout] = {}
+        self._seen_shapes: set[tuple] = set()
 
     def get(self, src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -> TensorPlan:
         """The plan for these layouts and shape, computed at most once per relabeling class."""
+        ident = (id(src), id(dst), shape, itemsize)
+        hit = self._by_id.get(ident)
+        if hit is not None and hit[0] is src and hit[1] is dst:
+            return hit[2]
+        result = self._get(src, dst, shape, itemsize)
+        self._by_id[ident] = (src, dst, result)
+        return result
+
+    def _get(self, src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -> TensorPlan:
         key = (src, dst, shape, itemsize)
         found = self.exact.get(key)
         if found is not None:
             return found
-        _check_inputs(src, dst, shape, itemsize, self.mem_cap)
+        self._check(src, dst, shape, itemsize)
         s_ranks, d_ranks = np.asarray(src.ranks, dtype=np.int64), np.asarray(dst.ranks, dtype=np.int64)
         ranks = np.union1d(s_ranks, d_ranks)
         src_ids, dst_ids = np.searchsorted(ranks, s_ranks), np.searchsorted(ranks, d_ranks)
-        ckey = (
-            (src.device_matrix, src.alias_names, src.dims),
-            (dst.device_matrix, dst.alias_names, dst.dims),
-            shape,
-            itemsize,
-            src_ids.tobytes(),
-            dst_ids.tobytes(),
-        )
+        ckey = (_form(src), _form(dst), shape, itemsize, src_ids.tobytes(), dst_ids.tobytes())
         core = self.canonical.get(ckey)
         if core is None:
             core = plan_ids(
@@ -155,9 +189,25 @@ class PlanCache:
             )
             self.canonical[ckey] = core
             self.computed += 1
-        result = core if core.src == src and core.dst == dst else core.relabel(src, dst, ranks)
+        same = (core.src is src or core.src == src) and (core.dst is dst or core.dst == dst)
+        result = core if same else core.relabel(src, dst, ranks)
         self.exact[key] = result
         return result
+
+    def _check(self, src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -> None:
+        """planner._check_inputs, skipped when both layout objects and the shape were checked
+        before: whether a shape fits depends on the mesh and map, not on the ranks."""
+        seen = id(src) in self._seen_layouts and id(dst) in self._seen_layouts
+        if seen and (_form(src), _form(dst), shape, itemsize) in self._seen_shapes:
+            return
+        _check_inputs(src, dst, shape, itemsize, self.mem_cap)
+        self._seen_layouts[id(src)], self._seen_layouts[id(dst)] = src, dst
+        self._seen_shapes.add((_form(src), _form(dst), shape, itemsize))
+
+
+def _form(layout: Layout) -> tuple:
+    """A layout without its ranks: what its shard shapes depend on."""
+    return (layout.device_matrix, layout.alias_names, layout.dims)
 
 
 def _local_size(layout: Layout, part_dim_size: int, dim: int, name: str) -> int:

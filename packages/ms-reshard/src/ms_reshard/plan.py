@@ -318,9 +318,9 @@ class TensorPlan:
 def naive_gather_bytes(plan: TensorPlan) -> int:
     """Bytes received by the gather-everything-then-slice plan: every target rank receives the whole
     tensor except the source shard it may hold itself."""
-    src_ranks = set(plan.src.ranks)
-    shard = plan.nbytes // math.prod(plan.src.splits)
-    return sum(plan.nbytes - (shard if r in src_ranks else 0) for r in plan.dst.ranks)
+    nbytes = plan.nbytes
+    both = len(plan.src.ranks) + len(plan.dst.ranks) - len(plan.ranks)  # plan.ranks is their union
+    return nbytes * len(plan.dst.ranks) - nbytes // math.prod(plan.src.splits) * both
 
 
 def format_plan(plan: TensorPlan, max_ranks: int = 16, ops: bool = True) -> str:

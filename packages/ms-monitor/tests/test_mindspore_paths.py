@@ -203,3 +203,49 @@ def test_unmodified_model_train_is_traced_through_mindspores_hook(daemon, tmp_pa
     assert job["state"] == "done" and job["sources"]["0"] == ["cpu_op_execute_timestamp_0.txt"], job
     assert os.listdir(os.path.join(daemon.config.trace_dir, job["id"], "dyno")) == ["rank0_start150_stop152"]
     assert "json is not valid" not in log_path.read_text()  # the idle config keeps MindSpore quiet
+
+
+def test_a_trace_for_some_ranks_is_acted_on_by_those_ranks_only(daemon, tmp_path):
+    # Two ranks of one node: MindSpore forks one poller, both ranks read its config. The config
+    # names rank 1; rank 0 (whichever of the two created the node's segment) must not capture.
+    script = tmp_path / "train.py"
+    script.write_text(
+        UNMODIFIED.replace("from ms_train import make_step", "from ms_train import make_step\nimport IPCMonitor")
+    )
+    here = os.path.dirname(__file__)
+    shm_before = set(glob.glob("/dev/shm/DynamicProfileShm*"))
+    procs, logs = [], []
+    try:
+        for rank in (0, 1):
+            env = dict(os.environ, MSMONITOR_USE_DAEMON="1", MS_MONITOR_ADDR=daemon.agent_addrs[0], RANK_ID=str(rank))
+            logs.append(tmp_path / f"rank{rank}.log")
+            with open(logs[-1], "w") as log:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(script), "260", here, str(tmp_path / "dyn")],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        cwd=tmp_path,
+                    )
+                )
+        wait_for(
+            lambda: all("step 1\n" in p.read_text() for p in logs),
+            timeout=120,
+            what="both ranks stepping; logs: " + " | ".join(p.read_text()[-500:] for p in logs),
+        )
+        job = get_json(daemon.http_url + "/api/trace", {"ranks": [1], "steps": 3, "start_step": 150})
+        assert job["dyno_select"] == [1]
+        job = wait_for(lambda: (j := daemon.trace_status(job["id"]))["state"] != "running" and j, timeout=150)
+        for p in procs:
+            assert p.wait(timeout=120) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for path in set(glob.glob("/dev/shm/DynamicProfileShm*")) - shm_before:
+            os.unlink(path)
+    assert job["state"] == "done", job
+    assert job["sources"] == {"1": ["cpu_op_execute_timestamp_1.txt"]} and job["errors"] == {}, job
+    assert os.listdir(os.path.join(daemon.config.trace_dir, job["id"], "dyno")) == ["rank1_start150_stop152"]

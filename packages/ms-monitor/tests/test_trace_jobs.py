@@ -44,6 +44,9 @@ def test_trace_captures_the_requested_steps_of_each_rank(daemon):
         ranges = {e["name"] for e in doc["traceEvents"] if e["pid"] == rank and e.get("cat") in ("phase", "comm")}
         assert ranges == {"forward", "allreduce"}
     assert still_running > start + 2  # the ranks kept stepping through and after the capture
+    # the rank left out never heard of the trace: no command pending, no capture
+    assert ranks.monitors[1].captures == [] and ranks.monitors[1]._pending is None
+    assert [len(ranks.monitors[r].captures) for r in (0, 2)] == [1, 1]
     manifest = verify_manifest(os.path.dirname(job["path"]))  # sizes and sha256 match
     assert manifest["files"]["merged_trace.json"]["bytes"] == os.path.getsize(job["path"])
     assert manifest["ranks"] == [0, 2] and manifest["file"] == "merged_trace.json"

@@ -22,6 +22,7 @@ import atexit
 import logging
 import os
 import socket
+import sys
 import time
 from typing import Any, Callable
 
@@ -57,7 +58,6 @@ def host_memory() -> int | None:
 
 def mindspore_device_memory() -> int | None:
     """Bytes MindSpore's allocator holds on the device; None on CPU (where it reports 0) or without MindSpore."""
-    import sys
 
     ms = sys.modules.get("mindspore")
     if ms is None:
@@ -146,6 +146,10 @@ class Monitor:
         self._mem_at = -1e9
         self.captures: list[Capture] = []
         self.shipper: Shipper | None = None
+        if "mindspore" in sys.modules:  # MindSpore's own hook in this process honours --ranks
+            from .dyno import install_rank_gate
+
+            install_rank_gate()
         if enabled:
             hello = {
                 "role": "agent",

@@ -430,7 +430,10 @@ class Daemon:
         for c, rs in relays.items():
             c.send({**cmd, "ranks": rs})
         if dynos:
-            cfg = dyno_config(start, steps, os.path.abspath(os.path.join(job.out_dir, "dyno")), bool(analyse))
+            # one config per node reaches all its ranks: it names the ranks it is for, and each rank's gate obeys
+            job.dyno_select = None if ranks is None else sorted(set(ranks) - served)
+            log_dir = os.path.abspath(os.path.join(job.out_dir, "dyno"))
+            cfg = dyno_config(start, steps, log_dir, bool(analyse), job.dyno_select)
             for c in dynos:
                 c.send({"t": "cfg", "id": job.id, "cfg": cfg})
         job.expected, job.dyno_ranks = served, sorted(c.rank for c in dynos)

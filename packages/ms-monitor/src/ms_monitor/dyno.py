@@ -43,6 +43,68 @@ POLL_WAIT = 1.0
 #: the first poll's answer: a valid config that starts nothing. Without any config, MindSpore's
 #: Model-callback path logs "Dynamic profiler json is not valid" on every step.
 IDLE_CONFIG = "PROFILE_START_STEP=-1\nACTIVITIES_ITERATIONS=0"
+#: the config line naming the ranks a trace is for (``0-3,8``). MindSpore's parser keeps a key
+#: without PROFILE/ACTIVITIES as it is, so it reaches every rank's copy of the config.
+RANKS_KEY = "MS_MONITOR_RANKS"
+
+
+def format_ranks(ranks: list[int]) -> str:
+    """``[0, 1, 2, 3, 8]`` -> ``"0-3,8"`` (no ``=``: MindSpore splits each line at it)."""
+    runs: list[list[int]] = []
+    for r in sorted(set(ranks)):
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    out = [str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in runs]
+    return ",".join(out)
+
+
+def rank_selected(rank: int, text: str) -> bool:
+    """Whether ``rank`` is in a ``format_ranks`` list; a list that does not parse selects every rank
+    (a gate must never stop a trace it cannot read)."""
+    try:
+        for part in str(text).split(","):
+            lo, _, hi = part.strip().partition("-")
+            if int(lo) <= rank <= int(hi or lo):
+                return True
+    except ValueError:
+        return True
+    return False
+
+
+def install_rank_gate(cls: Any = None) -> bool:
+    """Make MindSpore's ``DynamicProfilerMonitor`` (or ``cls``) in this process ignore a config
+    whose ``MS_MONITOR_RANKS`` does not name the process's rank, so ``ms-monitor trace --ranks``
+    is honoured by MindSpore's own hook. MindSpore polls one config per node and every rank of the
+    node reads it; the rank itself must drop it. Returns whether the gate is in place.
+
+    Installed when MindSpore loads ``IPCMonitor`` (in the rank that forks the node's poller), by
+    ``import IPCMonitor`` in a script, and by ``Monitor``/``MonitorCallback`` in a process with
+    MindSpore loaded. A rank without it still captures; the daemon then leaves its files out of
+    the merge and says so in the job's errors.
+    """
+    if cls is None:
+        try:
+            from mindspore.profiler import DynamicProfilerMonitor as cls
+        except Exception:  # no MindSpore, or one without the dynamic profiler
+            return False
+    getter = getattr(cls, "_get_prof_args", None)
+    if getter is None:
+        return False
+    if getattr(getter, "_ms_monitor_gate", False):
+        return True
+
+    def _get_prof_args(self: Any) -> dict:
+        cfg = getter(self)
+        if isinstance(cfg, dict) and RANKS_KEY in cfg and not rank_selected(int(self._rank_id), cfg[RANKS_KEY]):
+            return {}  # MindSpore's "no config": the step goes on, nothing starts
+        return cfg
+
+    _get_prof_args._ms_monitor_gate = True  # type: ignore[attr-defined]
+    _get_prof_args.__doc__ = getter.__doc__
+    cls._get_prof_args = _get_prof_args
+    return True
 
 
 def _rank() -> int:
@@ -68,6 +130,7 @@ class PyDynamicMonitorProxy:
     """The five methods MindSpore calls (see the module docstring)."""
 
     def __init__(self) -> None:
+        install_rank_gate()  # this process's ranks honour --ranks (see install_rank_gate)
         self._poller: Shipper | None = None
         self._status: Shipper | None = None
         self._configs: queue.Queue[str] = queue.Queue()

@@ -9,8 +9,10 @@ A job targets ranks through three kinds of connection:
   (``PROFILE_START_STEP``, ``ACTIVITIES_ITERATIONS``, ``ACTIVITIES_LOG_FILE``...) that MindSpore's
   ``DynamicProfilerMonitor`` turns into a profiler run; it writes under the log directory on this
   node (``rank<R>_start<S>_stop<E>/*_ascend_ms``), which the daemon reads itself once the files
-  stop changing. MindSpore polls with one process per node, so a dyno config reaches every rank of
-  that node whatever ``ranks`` says.
+  stop changing. MindSpore polls with one process per node and every rank of the node reads the
+  config, so a job for some ranks names them in it (``MS_MONITOR_RANKS``) and each rank's gate
+  (``dyno.install_rank_gate``) drops a config that is not for it; the output of a rank without the
+  gate that captured anyway is left out of the merge, with a note in the job's errors.
 
 All methods run on the daemon's event loop.
 """
@@ -32,6 +34,7 @@ from ms_layout.files import atomic_write, clean_stale, read_capped, write_manife
 from ms_layout.limits import Limit
 
 from .clock import Offset
+from .dyno import RANKS_KEY, format_ranks
 from .errors import MonitorError
 from .trace_merge import events_from_cpu_timestamps, events_from_trace_view, merge
 
@@ -70,6 +73,8 @@ class TraceJob:
     """requested ranks that no connection serves"""
     dyno_ranks: list[int] = field(default_factory=list)
     """ranks of the dyno connections that got the config"""
+    dyno_select: list[int] | None = None
+    """ranks the dyno config is for (None: every rank of the nodes)"""
     done: dict[int, dict] = field(default_factory=dict)
     """rank -> its tdone message"""
     files: dict[int, dict[str, bytearray]] = field(default_factory=dict)
@@ -104,6 +109,7 @@ class TraceJob:
             "done": sorted(self.done),
             "missing": self.missing,
             "dyno_ranks": self.dyno_ranks,
+            "dyno_select": self.dyno_select,
             "errors": self.errors,
             "path": self.path,
             "sources": {str(r): d.get("sources", []) for r, d in self.done.items()},
@@ -111,8 +117,9 @@ class TraceJob:
         }
 
 
-def dyno_config(start: int, steps: int, log_dir: str, analyse: bool) -> str:
-    """The msMonitor ``nputrace`` config string that MindSpore's dyno path understands."""
+def dyno_config(start: int, steps: int, log_dir: str, analyse: bool, ranks: list[int] | None = None) -> str:
+    """The msMonitor ``nputrace`` config string that MindSpore's dyno path understands; with
+    ``ranks``, a ``MS_MONITOR_RANKS`` line that only those ranks act on (``dyno.install_rank_gate``)."""
     lines = {
         "PROFILE_START_STEP": start,
         "ACTIVITIES_ITERATIONS": steps,
@@ -122,6 +129,8 @@ def dyno_config(start: int, steps: int, log_dir: str, analyse: bool) -> str:
         "PROFILE_ANALYSE": "true" if analyse else "false",
         "PROFILE_EXPORT_TYPE": "Text",
     }
+    if ranks is not None:
+        lines[RANKS_KEY] = format_ranks(ranks)
     return "\n".join(f"{k}={v}" for k, v in lines.items())
 
 
@@ -281,6 +290,12 @@ class TraceManager:
         gathered: dict[int, dict[str, bytes]] = {}
         for path in seen:
             m = _RANK_DIR.match(os.path.relpath(path, log_dir).split(os.sep)[0])
+            if m and job.dyno_select is not None and int(m.group(1)) not in job.dyno_select:
+                job.errors[m.group(1)] = (
+                    f"rank {m.group(1)} captured although the trace was for ranks {format_ranks(job.dyno_select)}: "
+                    "its process lacks ms-monitor's rank gate (import IPCMonitor in the script); left out"
+                )
+                continue
             if m:
                 data = read_capped(path, MAX_JOB_BYTES.value, "dyno trace file")
                 gathered.setdefault(int(m.group(1)), {})[os.path.basename(path)] = data

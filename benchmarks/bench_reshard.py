@@ -1,12 +1,14 @@
 """bench_reshard: planning time at DeepSeek-V3 scale, bytes moved against baselines, online throughput.
 
     python benchmarks/bench_reshard.py [--quick] --out benchmarks/results/reshard.json
+    python benchmarks/bench_reshard.py --planning-only [--ranks 4096]   # section 1 only
 
 1. Planning: the whole DeepSeek-V3 parameter list (61 layers, 256 routed experts, MLA, hidden 7168;
-   45k names synthesized with HF names and shapes) from a training config (pp=16, optimizer sharding,
-   ep=64) to an inference config (tp=8, ep=128/256), on 1024 and 4096 ranks: seconds to derive the
-   layouts (ms_layout.param_placement) and to plan, distinct plans, bytes moved against the lower
-   bound and against gathering everything then slicing.
+   45k names synthesized with HF names and shapes) from a training config (tp=8, pp=16, ep=32 with
+   optimizer sharding; and the earlier pp=16, ep=64 without tp) to a serving config (tp=8,
+   ep=128/256), on 1024 and 4096 ranks: seconds to derive the layouts (ms_layout.param_placement)
+   and to plan, peak RSS of the planning process (each row runs in its own process), distinct plans,
+   bytes moved against the lower bound and against gathering everything then slicing.
 2. Bytes: single tensors between layout pairs: ours, the lower bound, the naive plan, and MindSpore's
    own redistribution (mindspore.parallel._tensor._transform_tensor_by_layout, the offline helper
    its checkpoint transform uses), for the pairs it can plan; the others say why not.
@@ -21,6 +23,8 @@ import argparse
 import json
 import math
 import os
+import resource
+import subprocess
 import sys
 import time
 
@@ -66,33 +70,59 @@ def deepseek_v3_shapes(layers: int = 61, dense: int = 3, experts: int = 256) -> 
     return s
 
 
-SCALES = {
+SCALES = {  # the issue-23 target: train tp8 pp16 ep32 + ZeRO -> serve tp8 ep
+    1024: (ParallelConfig(tp=8, pp=16, dp=8, ep=8, optimizer_shard=True), ParallelConfig(dp=128, tp=8, ep=128)),
+    4096: (ParallelConfig(tp=8, pp=16, dp=32, ep=32, optimizer_shard=True), ParallelConfig(dp=512, tp=8, ep=256)),
+}
+SCALES_NO_TP = {  # what the benchmark planned before (kept for comparison: a ZeRO shard per dp rank)
     1024: (ParallelConfig(pp=16, dp=64, ep=64, optimizer_shard=True), ParallelConfig(dp=128, tp=8, ep=128)),
     4096: (ParallelConfig(pp=16, dp=256, ep=64, optimizer_shard=True), ParallelConfig(dp=512, tp=8, ep=256)),
 }
+CONFIGS = {"tp8": SCALES, "no-tp": SCALES_NO_TP}
 
 
-def bench_planning(world: int, layers: int) -> dict:
-    train, infer = SCALES[world]
+def peak_rss_gb() -> float:
+    """Peak resident memory of this process so far (ru_maxrss is in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB
+
+
+def _short(c: ParallelConfig) -> str:
+    sizes = " ".join(f"{k}{getattr(c, k)}" for k in ("tp", "pp", "dp", "ep") if getattr(c, k) > 1)
+    return sizes + (" +ZeRO" if c.optimizer_shard else "")
+
+
+def bench_planning(world: int, layers: int, config: str = "tp8", repeats: int = 3) -> dict:
+    """Layouts and plan of the whole model, each from scratch `repeats` times (the best time is
+    reported: the benchmark machine is shared)."""
+    train, infer = CONFIGS[config][world]
     shapes = deepseek_v3_shapes(layers)
     # 61 layers on 16 stages: three stages of 3 layers, thirteen of 4 (fewer where embed/head sit)
     per_chunk = [3, 3, 3] + [4] * 13 if layers == 61 else None
-    t0 = time.perf_counter()
-    src = param_specs(shapes, train, layers, 256, dtype="bfloat16", layers_per_chunk=per_chunk)
-    dst = param_specs(shapes, infer, layers, 256, dtype="bfloat16")
-    t1 = time.perf_counter()
-    cache = PlanCache()
-    mp = model_plan(src, dst, cache=cache)
-    t2 = time.perf_counter()
+    layouts_s = plan_s = math.inf
+    for _ in range(repeats):
+        src = dst = mp = cache = None  # the previous repeat's plans are garbage before this one's peak
+        t0 = time.perf_counter()
+        src = param_specs(shapes, train, layers, 256, dtype="bfloat16", layers_per_chunk=per_chunk)
+        dst = param_specs(shapes, infer, layers, 256, dtype="bfloat16")
+        t1 = time.perf_counter()
+        cache = PlanCache()
+        mp = model_plan(src, dst, cache=cache)
+        t2 = time.perf_counter()
+        layouts_s, plan_s = min(layouts_s, t1 - t0), min(plan_s, t2 - t1)
     moved, lower = mp.bytes_moved(), mp.lower_bound_total()
     naive = sum(naive_gather_bytes(m.plan) for m in mp.moves)
+    multicasts = sum(len(p.multicast) for p in cache.canonical.values() if p.multicast is not None)
     return {
         "section": "planning",
-        "case": f"DeepSeek-V3 {layers} layers, {world} ranks",
+        "case": f"DeepSeek-V3 {layers} layers, {world} ranks, {config}",
+        "train": _short(train),
+        "serve": _short(infer),
         "params": len(shapes),
-        "layouts_s": round(t1 - t0, 2),
-        "plan_s": round(t2 - t1, 2),
+        "layouts_s": round(layouts_s, 2),
+        "plan_s": round(plan_s, 2),
+        "peak_rss_GB": round(peak_rss_gb(), 2),
         "plans_computed": cache.computed,
+        "multicast_rows": multicasts,
         "plans_reused": len(mp.moves) - cache.computed,
         "moved_GB": round(moved / GB, 1),
         "lower_bound_GB": round(lower / GB, 1),
@@ -322,28 +352,79 @@ def print_rows(rows: list[dict]) -> None:
         Console(width=220).print(table)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1024 ranks and 16 layers only, fewer repeats")
-    parser.add_argument("--out", default="benchmarks/results/reshard.json")
-    args = parser.parse_args(argv)
-    rows = []
-    scales = [(1024, 16)] if args.quick else [(1024, 61), (4096, 61)]
-    for world, layers in scales:
-        rows.append(bench_planning(world, layers))
-        print(rows[-1], file=sys.stderr)
-    rows += bench_bytes()
-    rows += bench_online(repeats=2 if args.quick else 5)
-    print_rows(rows)
+def planning_row(world: int, layers: int, config: str) -> dict:
+    """bench_planning in a fresh process, so that its peak RSS is its own."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--row", f"{world},{layers},{config}"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=os.path.dirname(__file__))
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def summary(rows: list[dict], old: dict) -> dict:
+    """The headline figures: the tp8 config's plan seconds and peak RSS, moved bytes / lower bound."""
+    out = dict(old)
+    for row in rows:
+        if row["section"] == "planning" and row["case"].endswith("tp8") and " 61 layers" in row["case"]:
+            world = row["case"].split(", ")[1].split()[0]
+            out[f"plan_s_{world}"] = row["plan_s"]
+            out[f"layouts_s_{world}"] = row["layouts_s"]
+            out[f"peak_rss_gb_{world}"] = row["peak_rss_GB"]
+    ratios = [r["moved/lower_bound"] for r in rows if r["section"] == "planning"]
+    if ratios:
+        out["moved_over_lower_bound"] = max(ratios)
+    return out
+
+
+def write(path: str, rows: list[dict], full: bool) -> None:
+    """Write `rows` into the JSON at `path`; unless `full`, the other rows stay (a planning-only run
+    replaces its own cases and the planning rows written before the configs were named)."""
+    old: dict = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+    cases = {(r["section"], r["case"]) for r in rows}
+    kept = [
+        r
+        for r in ([] if full else old.get("rows", []))
+        if (r["section"], r["case"]) not in cases
+        and not (r["section"] == "planning" and not r["case"].endswith(tuple(CONFIGS)))
+    ]
     result = {
         "benchmark": "reshard",
         "title": "ms-reshard: planning at DeepSeek-V3 scale, bytes against MindSpore, online throughput",
         "machine": machine_info("mindspore"),
-        "rows": rows,
+        "summary": summary(rows, old.get("summary", {})),
+        "rows": sorted(kept + rows, key=lambda r: ["planning", "bytes", "online"].index(r["section"])),
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
         json.dump(result, f, indent=1)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1024 ranks and 16 layers only, fewer repeats")
+    parser.add_argument("--planning-only", action="store_true", help="run section 1 (planning) alone")
+    parser.add_argument("--ranks", type=int, action="append", choices=sorted(SCALES), help="planning at N ranks only")
+    parser.add_argument("--row", help=argparse.SUPPRESS)  # world,layers,config: one planning row as JSON
+    parser.add_argument("--out", default="benchmarks/results/reshard.json")
+    args = parser.parse_args(argv)
+    if args.row:
+        world, layers, config = args.row.split(",")
+        print(json.dumps(bench_planning(int(world), int(layers), config)))
+        return 0
+    rows = []
+    worlds = args.ranks or sorted(SCALES)
+    scales = [(1024, 16)] if args.quick else [(w, 61) for w in worlds]
+    configs = ["tp8"] if args.quick or args.ranks else ["tp8", "no-tp"]
+    for config in configs:
+        for world, layers in scales:
+            rows.append(planning_row(world, layers, config))
+            print(rows[-1], file=sys.stderr)
+    if not (args.planning_only or args.ranks):
+        rows += bench_bytes()
+        rows += bench_online(repeats=2 if args.quick else 5)
+    print_rows(rows)
+    write(args.out, rows, full=not (args.planning_only or args.ranks))
     return 0
 
 

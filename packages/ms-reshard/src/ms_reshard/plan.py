@@ -12,7 +12,7 @@ A box is ``[ndim, 2]`` ints: the half-open ``[start, stop)`` range of every dim 
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -180,7 +180,10 @@ class TensorPlan:
 
     def relabel(self, src: Layout, dst: Layout, ranks: np.ndarray) -> TensorPlan:
         """The same plan for layouts whose ranks are an order-preserving relabeling of these."""
-        return dataclasses.replace(self, src=src, dst=dst, ranks=ranks)
+        out = copy.copy(self)  # dataclasses.replace re-runs __init__; thousands of relabels add up
+        for name, value in (("src", src), ("dst", dst), ("ranks", ranks)):
+            object.__setattr__(out, name, value)
+        return out
 
     def transfers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Every point-to-point transfer, multicasts spelled out: (sender ids, receiver ids, rounds,

@@ -109,6 +109,7 @@ def param_specs(
     placed: dict[tuple, Layout] = {}
     shifted: dict[tuple[str, int, int, int], Layout] = {}
     stored: dict[tuple[Layout, int], Layout] = {}
+    interned: dict[Layout, Layout] = {}
     out = {}
     for name, (shape, parts, part_dim) in fused.items():
         rep, stage, owner = _representative(name, stages, num_layers, per_owner)
@@ -123,7 +124,9 @@ def param_specs(
                 except LayoutError as exc:
                     raise ReshardError(f"parameter {name!r}: {exc}") from None
                 placed[kind] = base
-            layout = shifted[key] = _shifted(base, stage * pp_stride + owner * ep_stride)
+            layout = _shifted(base, stage * pp_stride + owner * ep_stride)
+            # one object per distinct layout: PlanCache then finds repeats by identity
+            layout = shifted[key] = interned.setdefault(layout, layout)
         if sharded and shape:
             skey = (layout, shape[0])
             if skey not in stored:

@@ -80,3 +80,14 @@ def test_senders_share_a_pieces_receivers_in_rank_order():
     senders = {int(p.ranks[s]): (int(a), int(b)) for s, a, b in zip(mc.src, mc.lo, mc.hi)}
     assert senders == {0: (0, 4), 1: (0, 4), 2: (4, 8), 3: (4, 8)}
     assert (p.sent[:4] == 4 * 4 * 4).all()
+
+
+def test_a_complete_exchange_stays_an_all_gather():
+    # ZeRO over 256 ranks -> whole on the same ranks: each rank's piece goes to all others, which
+    # step 4 makes an all-gather; multicast rows would move the same bytes without the collective
+    lay = Layout((256,), ("dp",))
+    p = plan(lay("dp", "None"), lay("None", "None"), (256, 4))
+    assert p.multicast is None and [c.kind.value for c in p.collectives] == ["all_gather"]
+    assert (p.received == p.lower_bound).all()
+    q = plan(lay("dp", "None"), lay("None", "None"), (256, 4), collectives=False)
+    assert q.multicast is not None and len(q.multicast) == 256 and q.bytes_moved() == p.bytes_moved()

@@ -175,7 +175,7 @@ def plan_ids(
     if multicast_min is not None and mem_cap is None:
         pieces = (p_dst, p_src, p_box)
         found = _multicast_plan(src, dst, shape, src_ids, dst_ids, ranks, itemsize, pieces, holders, multicast_min)
-        if found is not None:
+        if found is not None and not (collectives and multicast_min and _all_gathers(found.multicast)):
             return found
     counts = np.bincount(p_dst, minlength=math.prod(dst_splits))
     starts = np.cumsum(counts) - counts
@@ -264,6 +264,23 @@ def _multicast_plan(src, dst, shape, src_ids, dst_ids, ranks, itemsize, pieces, 
         np.zeros((0, len(shape), 2), dtype=np.int64), (), sent, received * itemsize,
         _lower_bound(src, dst, shape, src_ids, dst_ids, n_ids, itemsize), 1, (), mc,
     )  # fmt: skip
+
+
+def _all_gathers(mc: Multicast) -> bool:
+    """Whether the multicast rows are exactly all-gathers, one per target chunk: every replica of
+    the chunk sends one equal piece to all the others. Such a plan stays point-to-point, where step 4
+    turns it into all-gather collectives (same bytes; a collective backend runs them faster)."""
+    chunks, replicas = np.unique(mc.dst_chunk[mc.dst_chunk >= 0], return_counts=True)
+    n = np.zeros(int(chunks.max(initial=-1)) + 1, dtype=np.int64)
+    n[chunks] = replicas
+    j = mc.target_chunk
+    if not len(j) or (mc.lo != 0).any() or (mc.hi != n[j]).any() or (mc.dst_chunk[mc.src] != j).any():
+        return False
+    elems = box_elems(mc.box)
+    first = np.full(len(n), -1, dtype=np.int64)
+    first[j] = elems
+    rows = np.bincount(j, minlength=len(n))
+    return bool((elems == first[j]).all() and (rows[chunks] == replicas).all())
 
 
 def _flat(index: np.ndarray, splits: tuple[int, ...]) -> np.ndarray:

@@ -71,7 +71,7 @@ def bench_step(quick):
             rows = [build_row(r, seqs, prompts, wide) for r in mb + [[]] * (rows_per_mb - len(mb))]
             zeros = [np.zeros(wide, np.float32)] * len(rows)
             stats, _ = fns.loss_and_grads(rows, [per_token(r, w) for r in rows], adv, zeros, zeros)
-            loss += stats[0]
+            loss += stats.loss
         return loss
 
     losses = {k: run(k) for k in layouts}  # compiles once (one shape) and checks the two agree

@@ -93,7 +93,7 @@ def packed(fns, sequences, prompt_lens, adv, old, ref, packs, micro_batches, ran
             stats, g = fns.loss_and_grads(rows, [per_token(r, w) for r in rows], adv,
                                           [per_response_token(r, old) for r in rows],
                                           [per_response_token(r, ref) for r in rows])  # fmt: skip
-            total += stats[0]
+            total += stats.loss
             rank_grads = g if rank_grads is None else [a + b for a, b in zip(rank_grads, g)]
         if rank_grads is not None:
             grads = rank_grads if grads is None else [a + b for a, b in zip(grads, rank_grads)]

@@ -113,8 +113,10 @@ class TrainConfig:
     """Write a checkpoint every this many steps (0: only at the end when checkpoint_dir is set)."""
     keep_checkpoints: int = 2
     """How many checkpoints to keep."""
-    jit: bool = False
-    """Compile the loss/gradient function with mindspore.jit (shapes are then padded to max_pack_len)."""
+    jit: bool = True
+    """Compile log-probs, loss and gradients with mindspore.jit (rows padded to one width: max_pack_len
+    when packing, else the longest prompt + max_new_tokens); false: eager, the debug path. A
+    tensor-parallel actor (tp > 1) runs eagerly either way (its collectives run on the host)."""
 
     def __post_init__(self) -> None:
         self.validate()

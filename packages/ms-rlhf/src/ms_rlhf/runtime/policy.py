@@ -12,6 +12,7 @@ graph compiles once (PyNative dispatch costs ~100x the math of a tiny model on C
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import astuple, dataclass
 
 import numpy as np
 
@@ -41,6 +42,33 @@ def build_model(config, tokenizer, seed: int):
         raise RLHFError(f"bad model config {config.model}: {exc}") from None
     model = ms_models.from_config(model_config, seed=seed)
     return model
+
+
+@dataclass
+class LossStats:
+    """Sums of the GRPO loss terms over micro-batches (and, once all-reduced, over ranks)."""
+
+    loss: float = 0.0
+    """sum(w * (pg + beta * kl)): what the gradient is of."""
+    pg: float | None = 0.0
+    """sum(w * pg), the clipped policy-gradient term (None: not computed, as under pipeline parallelism)."""
+    kl: float | None = 0.0
+    """sum(w * kl), the k3 estimate of KL to the reference (None: not computed)."""
+    clipped: float | None = 0.0
+    """Loss tokens whose PPO ratio was clipped (None: not counted)."""
+
+    def __add__(self, other: LossStats) -> LossStats:
+        add = lambda a, b: None if a is None or b is None else a + b  # noqa: E731
+        return LossStats(self.loss + other.loss, add(self.pg, other.pg), add(self.kl, other.kl),
+                         add(self.clipped, other.clipped))  # fmt: skip
+
+    def to_array(self) -> np.ndarray:
+        """[loss, pg, kl, clipped] as float64 (NaN for None), for a collective."""
+        return np.array([np.nan if v is None else v for v in astuple(self)], np.float64)
+
+    @classmethod
+    def from_array(cls, values: np.ndarray) -> LossStats:
+        return cls(*(None if np.isnan(v) else float(v) for v in values))
 
 
 def grpo_loss_fn(eps: float, beta: float):
@@ -105,7 +133,7 @@ class PolicyFunctions:
         return self._logprobs(*self.tensors(rows)).asnumpy()
 
     def loss_and_grads(self, rows, weights, adv, old, ref):
-        """(loss, pg, kl, clipped tokens) as floats and the gradients as numpy arrays, for rows
+        """The micro-batch's LossStats and the gradients as numpy arrays, for rows
         with per-row arrays: `weights` [B, W] token weights, `adv` per-sample advantages, and
         `old`/`ref` [B, W] row-aligned log-probs."""
         import mindspore as ms
@@ -121,8 +149,7 @@ class PolicyFunctions:
         # returns before its graph ran, and reading an output computed early (the loss) first
         # busy-waits the Python thread on the kernels' core (docs/mindspore-cpu.md, section 15)
         grads = [g.asnumpy() for g in grads]
-        stats = (float(total.asnumpy()), *(float(a.asnumpy()) for a in aux))
-        return stats, grads
+        return LossStats(float(total.asnumpy()), *(float(a.asnumpy()) for a in aux)), grads
 
 
 def row_weights(row: Row, sample_weight: np.ndarray) -> np.ndarray:

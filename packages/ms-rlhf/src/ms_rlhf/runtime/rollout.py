@@ -67,8 +67,9 @@ class Completion:
 class RolloutEngine(Protocol):
     """What the trainer needs from an inference engine."""
 
-    def generate(self, requests: Sequence[Request]) -> list[Completion]:
-        """Completions in request order."""
+    def generate(self, requests: Sequence[Request], batch: int | None = None) -> list[Completion]:
+        """Completions in request order; `batch`: the most sequences to run at once (an engine that
+        schedules its own batches, as vLLM does, may ignore it)."""
         ...
 
     def weight_targets(self) -> dict[str, object]:

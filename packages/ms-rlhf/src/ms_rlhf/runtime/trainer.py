@@ -36,7 +36,7 @@ from . import elastic
 from .experience import make_experience, micro_batches, weights_for
 from .group import SingleProcessGroup, all_gather_objects, tp_and_dp_groups, world_group
 from .pipelined import PipelinedActor, owners
-from .policy import PolicyFunctions, build_model, response_values, row_weights
+from .policy import LossStats, PolicyFunctions, build_model, response_values, row_weights
 from .rollout import Completion, EmbeddedEngine, Request
 from .sync import WeightSync
 
@@ -124,8 +124,7 @@ class GRPOTrainer:
         mine, times = [], []
         for k in range(self.rank * cfg.rollout_instances, (self.rank + 1) * cfg.rollout_instances):
             start = time.perf_counter()
-            kwargs = {"batch": per_batch} if isinstance(self.engine, EmbeddedEngine) else {}
-            mine.append(self.engine.generate([requests[r] for r in assignment.instances[k]], **kwargs))
+            mine.append(self.engine.generate([requests[r] for r in assignment.instances[k]], batch=per_batch))
             times.append(time.perf_counter() - start)
         gathered = all_gather_objects(self.group, [_encode(c) for out in mine for c in out])
         flat = [_decode(a) for rank_rows in gathered for a in rank_rows]
@@ -170,9 +169,9 @@ class GRPOTrainer:
             refs = [self.reference.logprobs(mb.rows) for mb in mbs]
             plans.append((samples, mbs, olds, refs))
         mismatch = self._mismatch(exp, plans)
-        sums = np.zeros(4)
+        sums = LossStats()
         for samples, mbs, olds, refs in plans:
-            sums += self._update(exp, samples, mbs, olds, refs)
+            sums = sums + self._update(exp, samples, mbs, olds, refs)
         train_s = time.perf_counter() - t_train
         ref_sync = bool(cfg.ref_sync_every) and (self.step_count + 1) % cfg.ref_sync_every == 0
         if ref_sync:
@@ -185,10 +184,10 @@ class GRPOTrainer:
             step=self.step_count,
             reward=float(exp.rewards.mean()),
             accuracy=float((exp.rewards == 1.0).mean()),
-            loss=sums[0] / cfg.updates_per_rollout,
-            pg=_known(sums[1] / cfg.updates_per_rollout),  # None under pp > 1 (the loss alone comes back)
-            kl=_known(sums[2] / cfg.updates_per_rollout),
-            clip_frac=_known(sums[3] / loss_tokens / cfg.updates_per_rollout),
+            loss=sums.loss / cfg.updates_per_rollout,
+            pg=_per(sums.pg, cfg.updates_per_rollout),  # None under pp > 1 (the loss alone comes back)
+            kl=_per(sums.kl, cfg.updates_per_rollout),
+            clip_frac=_per(sums.clipped, loss_tokens * cfg.updates_per_rollout),
             response_len=float(exp.response_lens.mean()),
             train_s=train_s,
             train_tokens_per_s=tokens / train_s,
@@ -201,23 +200,23 @@ class GRPOTrainer:
         self.history.append(metrics)
         return metrics
 
-    def _update(self, exp, samples, mbs, olds, refs) -> np.ndarray:
+    def _update(self, exp, samples, mbs, olds, refs) -> LossStats:
         cfg = self.config
         weights = weights_for(exp, samples, cfg.loss_aggregation)
         if self.actor is not None:  # the pipeline runs every micro-batch in one step
             w = [[row_weights(r, weights) for r in mb.rows] for mb in mbs]
             loss, by_name = self.actor.loss_and_grads(mbs, w, exp.advantages, olds, refs)
             acc = [by_name[n] for n in self.trainable]
-            stats = np.array([loss, np.nan, np.nan, np.nan])  # the pipeline returns the loss alone
+            stats = LossStats(loss, None, None, None)  # the pipeline returns the loss alone
         else:
             acc, stats = self._micro_batch_grads(mbs, weights, exp.advantages, olds, refs)
-        flat = np.concatenate([a.reshape(-1) for a in acc] + [stats.astype(np.float32)])
+        flat = np.concatenate([a.reshape(-1) for a in acc] + [stats.to_array().astype(np.float32)])
         self.dp_group.all_reduce(flat)  # SUM: the weights already hold the global 1/|s| and 1/S factors
         grads, offset = [], 0
         for a in acc:
             grads.append(flat[offset : offset + a.size].reshape(a.shape))
             offset += a.size
-        stats = flat[offset:].astype(np.float64)
+        stats = LossStats.from_array(flat[offset:].astype(np.float64))
         if cfg.max_grad_norm > 0:
             norm = self._grad_norm(grads)
             scale = min(1.0, cfg.max_grad_norm / (norm + 1e-6))
@@ -228,14 +227,14 @@ class GRPOTrainer:
         self.sync.run(self.master, dict(self.model.parameters_and_names()), to="train")
         return stats
 
-    def _micro_batch_grads(self, mbs, weights, adv, olds, refs) -> tuple[list, np.ndarray]:
-        """Gradients and (loss, pg, kl, clipped) summed over this rank's micro-batches, one by one."""
+    def _micro_batch_grads(self, mbs, weights, adv, olds, refs) -> tuple[list, LossStats]:
+        """Gradients and LossStats summed over this rank's micro-batches, one by one."""
         acc = [np.zeros(p.shape, np.float32) for p in self.policy.params]
-        stats = np.zeros(4)
+        stats = LossStats()
         for mb, old, ref in zip(mbs, olds, refs):
             w = [row_weights(r, weights) for r in mb.rows]
             s, grads = self.policy.loss_and_grads(mb.rows, w, adv, list(old), list(ref))
-            stats += s
+            stats = stats + s
             for a, g in zip(acc, grads):
                 a += g
         return acc, stats
@@ -342,8 +341,8 @@ class GRPOTrainer:
         self.history = list(state["history"])
 
 
-def _known(value: float) -> float | None:
-    return None if np.isnan(value) else float(value)
+def _per(total: float | None, count: float) -> float | None:
+    return None if total is None else total / count
 
 
 def _repeat(batch, n):

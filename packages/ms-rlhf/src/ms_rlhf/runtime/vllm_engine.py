@@ -79,7 +79,8 @@ class VllmEngine:
             self._targets = self.llm.collective_rpc(_named_parameters)[0]
         return self._targets
 
-    def generate(self, requests: Sequence[Request]) -> list[Completion]:
+    def generate(self, requests: Sequence[Request], batch: int | None = None) -> list[Completion]:
+        """Completions in request order (vLLM's scheduler batches them: `batch` is not needed)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 

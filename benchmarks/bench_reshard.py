@@ -226,18 +226,25 @@ def llama_shapes(layers=4, hidden=512, inter=1408, vocab=8192) -> dict[str, tupl
     return s
 
 
-def online_plan():
+ONLINE = {  # ranks -> (train, serve): both on the same ranks, fused qkv/gate_up when serving
+    2: (ParallelConfig(dp=2, optimizer_shard=True), ParallelConfig(tp=2)),
+    4: (ParallelConfig(dp=2, tp=2, optimizer_shard=True), ParallelConfig(tp=4)),
+}
+
+
+def online_plan(nprocs: int = 4):
     shapes = llama_shapes()
-    src = param_specs(shapes, ParallelConfig(dp=2, tp=2, optimizer_shard=True), num_layers=4)
-    dst = param_specs(shapes, ParallelConfig(tp=4), num_layers=4, fusions=DEFAULT_FUSIONS)
+    train, serve = ONLINE[nprocs]
+    src = param_specs(shapes, train, num_layers=4)
+    dst = param_specs(shapes, serve, num_layers=4, fusions=DEFAULT_FUSIONS)
     return shapes, src, dst, model_plan(src, dst)
 
 
 def online_rank(group, repeats: int):
     from ms_reshard.exchange import run_plans
 
-    me = group.rank
-    shapes, src, dst, mp = online_plan()
+    me, n = group.rank, len(group.ranks)
+    shapes, src, dst, mp = online_plan(n)
     rng = np.random.default_rng(0)
     weights = {n: rng.standard_normal(s, dtype=np.float32) for n, s in shapes.items()}
     shards = {n: np.ascontiguousarray(weights[n][s.layout.global_slice(s.shape, me)]) for n, s in src.items()}
@@ -258,20 +265,41 @@ def online_rank(group, repeats: int):
             group.barrier()
             times[mode].append(time.perf_counter() - t0)
     ok = all(np.array_equal(out[n], _expected(n, s, weights, me)) for n, s in out_specs(dst, me))
-    # Transport floor: the same bytes per rank in one message around a ring, one batch.
+    # Transport floors: this rank's share of the reshard's bytes (moved / n) as one message around a
+    # ring, and as one all-to-all (equal parts to every other rank, one batch).
     from ms_layout.comm import P2POp
 
-    size = mp.bytes_moved() // 4 // 4  # every rank sends and receives a quarter of the reshard's bytes
+    size = mp.bytes_moved() // n // 4
     send, recv = np.ones(size, np.float32), np.empty(size, np.float32)
-    ring = []
+    part = size // (n - 1)
+    floors = {"ring": [], "all_to_all": [], "copy": []}
+    # and the local copies the reshard also does (a rank's own overlap of source and target), as
+    # one contiguous memcpy of the same bytes
+    copied = sum(
+        int(np.prod(m.plan.copy_box[i, :, 1] - m.plan.copy_box[i, :, 0])) * 4
+        for m in mp.moves
+        for i in np.flatnonzero(m.plan.ranks[m.plan.copy_id] == me)
+    )
+    a, b = np.ones(copied // 4, np.float32), np.empty(copied // 4, np.float32)
     for _ in range(repeats):
+        floors["copy"].append(_timed(lambda: np.copyto(b, a)))
         group.barrier()
         t0 = time.perf_counter()
-        for work in group.batch_isend_irecv([P2POp("send", send, (me + 1) % 4), P2POp("recv", recv, (me - 1) % 4)]):
+        for work in group.batch_isend_irecv([P2POp("send", send, (me + 1) % n), P2POp("recv", recv, (me - 1) % n)]):
             work.wait()
         group.barrier()
-        ring.append(time.perf_counter() - t0)
-    return {"per_tensor": min(times["per_tensor"]), "bucketed": min(times["bucketed"]), "ring": min(ring), "ok": ok}
+        floors["ring"].append(time.perf_counter() - t0)
+        ops = []
+        for k, peer in enumerate(q for q in range(n) if q != me):
+            piece = slice(k * part, (k + 1) * part)
+            ops += [P2POp("send", send[piece], peer), P2POp("recv", recv[piece], peer)]
+        group.barrier()
+        t0 = time.perf_counter()
+        for work in group.batch_isend_irecv(ops):
+            work.wait()
+        group.barrier()
+        floors["all_to_all"].append(time.perf_counter() - t0)
+    return {k: min(v) for k, v in (times | floors).items()} | {"ok": ok, "copied": copied}
 
 
 def out_specs(dst, me):
@@ -288,36 +316,42 @@ def _expected(name, spec, weights, rank):
     return np.concatenate([w[spec.layout.global_slice(w.shape, rank)] for w in parts])
 
 
-def bench_online(repeats: int) -> list[dict]:
+def bench_online(repeats: int, nprocs_list=(2, 4)) -> list[dict]:
     from ms_layout.comm import run_local
 
-    results = run_local(online_rank, nprocs=4, backend="gloo", timeout=300, args=(repeats,))
-    _, _, _, mp = online_plan()
-    moved = mp.bytes_moved()
-    if not all(r["ok"] for r in results):
-        raise SystemExit("online reshard gave wrong shards")
-    slowest = {k: max(r[k] for r in results) for k in ("per_tensor", "bucketed", "ring")}
-    # baseline: one process copying the same number of bytes (piece by piece would only be slower)
-    a = np.ones(moved // 4, np.float32)
-    b = np.empty_like(a)
-    memcpy = min(_timed(lambda: np.copyto(b, a)) for _ in range(5))
     rows = []
-    for mode in ("per_tensor", "bucketed"):
-        seconds = slowest[mode]
-        rows.append(
-            {
-                "section": "online",
-                "case": f"Llama h512 x4 layers, dp2xtp2+opt -> tp4 fused, 4 gloo ranks, {mode.replace('_', ' ')}",
-                "moved_MB": round(moved / MB, 1),
-                "lower_bound_MB": round(mp.lower_bound_total() / MB, 1),
-                "seconds": round(seconds, 4),
-                "GB/s": round(moved / seconds / GB, 3),
-                "memcpy_GB/s": round(moved / memcpy / GB, 3),
-                "reshard/memcpy_time": round(seconds / memcpy, 1),
-                "gloo_ring_GB/s": round(moved / slowest["ring"] / GB, 3),
-                "reshard/gloo_ring_time": round(seconds / slowest["ring"], 2),
-            }
-        )
+    for nprocs in nprocs_list:
+        results = run_local(online_rank, nprocs=nprocs, backend="gloo", timeout=300, args=(repeats,))
+        _, _, _, mp = online_plan(nprocs)
+        moved = mp.bytes_moved()
+        if not all(r["ok"] for r in results):
+            raise SystemExit("online reshard gave wrong shards")
+        slowest = {k: max(r[k] for r in results) for k in ("per_tensor", "bucketed", "ring", "all_to_all", "copy")}
+        # baseline: one process copying the same number of bytes (piece by piece would only be slower)
+        a = np.ones(moved // 4, np.float32)
+        b = np.empty_like(a)
+        memcpy = min(_timed(lambda a=a, b=b: np.copyto(b, a)) for _ in range(5))
+        train, serve = ONLINE[nprocs]
+        for mode in ("per_tensor", "bucketed"):
+            seconds = slowest[mode]
+            rows.append(
+                {
+                    "section": "online",
+                    "case": f"Llama h512 x4 layers, {_short(train)} -> {_short(serve)} fused, {nprocs} gloo ranks, "
+                    f"{mode.replace('_', ' ')}",
+                    "moved_MB": round(moved / MB, 1),
+                    "lower_bound_MB": round(mp.lower_bound_total() / MB, 1),
+                    "copied_MB_per_rank": round(max(r["copied"] for r in results) / MB, 1),
+                    "seconds": round(seconds, 4),
+                    "GB/s": round(moved / seconds / GB, 3),
+                    "memcpy_GB/s": round(moved / memcpy / GB, 3),
+                    "reshard/memcpy_time": round(seconds / memcpy, 1),
+                    "gloo_ring_GB/s": round(moved / slowest["ring"] / GB, 3),
+                    "reshard/gloo_ring_time": round(seconds / slowest["ring"], 2),
+                    "reshard/all_to_all_time": round(seconds / slowest["all_to_all"], 2),
+                    "reshard/(all_to_all+copy)_time": round(seconds / (slowest["all_to_all"] + slowest["copy"]), 2),
+                }
+            )
     return rows
 
 
@@ -374,9 +408,10 @@ def summary(rows: list[dict], old: dict) -> dict:
     return out
 
 
-def write(path: str, rows: list[dict], full: bool) -> None:
-    """Write `rows` into the JSON at `path`; unless `full`, the other rows stay (a planning-only run
-    replaces its own cases and the planning rows written before the configs were named)."""
+def write(path: str, rows: list[dict], full: bool, replace: frozenset[str] | set[str] = frozenset()) -> None:
+    """Write `rows` into the JSON at `path`; unless `full`, the other rows stay (a partial run
+    replaces its own cases, the sections in `replace` whole, and the planning rows written before
+    the configs were named)."""
     old: dict = {}
     if os.path.exists(path):
         with open(path) as f:
@@ -386,6 +421,7 @@ def write(path: str, rows: list[dict], full: bool) -> None:
         r
         for r in ([] if full else old.get("rows", []))
         if (r["section"], r["case"]) not in cases
+        and r["section"] not in replace
         and not (r["section"] == "planning" and not r["case"].endswith(tuple(CONFIGS)))
     ]
     result = {
@@ -404,6 +440,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1024 ranks and 16 layers only, fewer repeats")
     parser.add_argument("--planning-only", action="store_true", help="run section 1 (planning) alone")
+    parser.add_argument("--online-only", action="store_true", help="run section 3 (online) alone")
     parser.add_argument("--ranks", type=int, action="append", choices=sorted(SCALES), help="planning at N ranks only")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # world,layers,config: one planning row as JSON
     parser.add_argument("--out", default="benchmarks/results/reshard.json")
@@ -413,6 +450,11 @@ def main(argv=None) -> int:
         print(json.dumps(bench_planning(int(world), int(layers), config)))
         return 0
     rows = []
+    if args.online_only:
+        rows = bench_online(repeats=2 if args.quick else 5)
+        print_rows(rows)
+        write(args.out, rows, full=False, replace={"online"})
+        return 0
     worlds = args.ranks or sorted(SCALES)
     scales = [(1024, 16)] if args.quick else [(w, 61) for w in worlds]
     configs = ["tp8"] if args.quick or args.ranks else ["tp8", "no-tp"]

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from .errors import ReshardError
-from .local import contribution, local_slices, pack, place_result, unpack
+from .local import contribution, local_slices, place_result
 from .plan import OpKind, TensorPlan
 
 # gloo moves these dtypes; anything else (bfloat16, int16) travels as raw bits of a same-size one.
@@ -87,13 +87,12 @@ def run_plans(
     subgroups = subgroups if subgroups is not None else {}
     for bucket in _buckets(jobs, bucket_bytes):
         for rnd in range(max(j["plan"].rounds for j in bucket)):
-            batch: list = []
+            copies: list = []
+            sends: list = []
             recvs: list = []
             for job in bucket:
-                _round(job, rnd, me, batch, recvs, subgroups, collectives)
-            _exchange(group, batch)
-            for out, at, box, buf in recvs:
-                unpack(out, box, at, buf)
+                _round(job, rnd, me, copies, sends, recvs, subgroups, collectives)
+            _exchange(group, sends, recvs, copies)
 
 
 def _job(plan: TensorPlan, src, out, dtype, me: int) -> dict:
@@ -101,15 +100,30 @@ def _job(plan: TensorPlan, src, out, dtype, me: int) -> dict:
     if (src is None) == in_src or (out is None) == in_dst:
         raise ReshardError(f"rank {me}: src given={src is not None}, out given={out is not None}; the plan says "
                            f"{in_src=} {in_dst=}")  # fmt: skip
+    ops, src_at, dst_at = _static(plan, me, in_src, in_dst)
     return {
         "plan": plan,
         "src": src,
         "out": out,
-        "ops": plan.rank_ops(me),
-        "src_at": tuple(s.start for s in plan.src.global_slice(plan.shape, me)) if in_src else (),
-        "dst_at": tuple(s.start for s in plan.dst.global_slice(plan.shape, me)) if in_dst else (),
+        "ops": ops,
+        "src_at": src_at,
+        "dst_at": dst_at,
         "dtype": np.dtype(dtype) if dtype is not None else (src.dtype if src is not None else out.dtype),
     }
+
+
+def _static(plan: TensorPlan, me: int, in_src: bool, in_dst: bool) -> tuple:
+    """(op list, source origin, target origin) of rank `me`, kept on the plan: a reshard run every
+    step (RLHF weight sync) then walks ready lists instead of re-deriving them from the columns."""
+    memo = plan.__dict__.setdefault("_exchange_static", {})
+    found = memo.get(me)
+    if found is None:
+        found = memo[me] = (
+            plan.rank_ops(me),
+            tuple(s.start for s in plan.src.global_slice(plan.shape, me)) if in_src else (),
+            tuple(s.start for s in plan.dst.global_slice(plan.shape, me)) if in_dst else (),
+        )
+    return found
 
 
 def _buckets(jobs: list[dict], bucket_bytes: int | None) -> list[list[dict]]:
@@ -128,31 +142,26 @@ def _buckets(jobs: list[dict], bucket_bytes: int | None) -> list[list[dict]]:
     return out
 
 
-def _round(job: dict, rnd: int, me: int, batch: list, recvs: list, subgroups: dict, collectives: bool) -> None:
-    """One plan's ops of one round: copies and collectives now, messages into the shared batch."""
-    plan, src, out, src_at, dst_at = job["plan"], job["src"], job["out"], job["src_at"], job["dst_at"]
-    before = len(recvs)
-    for op in (o for o in job["ops"] if o.round == rnd):
+def _round(
+    job: dict, rnd: int, me: int, copies: list, sends: list, recvs: list, subgroups: dict, collectives: bool
+) -> None:
+    """One plan's ops of one round: collectives now; local copies as (target view, source view) and
+    messages as (peer, source view) and (peer, target view, dtype on the wire) for the round's
+    shared exchange, which runs the copies while the messages are in flight."""
+    plan, src, out, src_at, dst_at, dtype = (job[k] for k in ("plan", "src", "out", "src_at", "dst_at", "dtype"))
+    for op in job["ops"]:
+        if op.round != rnd:
+            continue
         if op.kind is OpKind.COPY:
-            out[local_slices(op.box, dst_at)] = src[local_slices(op.box, src_at)]
+            copies.append((out[local_slices(op.box, dst_at)], src[local_slices(op.box, src_at)]))
         elif op.kind is OpKind.SEND:
-            batch.append(("send", wire(pack(src, op.box, src_at)), op.peer))
+            sends.append((op.peer, src[local_slices(op.box, src_at)]))
         elif op.kind is OpKind.RECV:
-            buf = np.empty(_elems(op.box), dtype=job["dtype"])
-            batch.append(("recv", wire(buf), op.peer))
-            recvs.append((op.box, buf))
+            recvs.append((op.peer, out[local_slices(op.box, dst_at)], dtype))
         elif collectives and op.group in subgroups:
             _collective(plan, op.index, me, subgroups[op.group], src, src_at, out, dst_at)
         else:
-            batch += _as_p2p(plan, op.index, me, src, src_at, recvs, out)
-    recvs[before:] = [(out, dst_at, box, buf) for box, buf in recvs[before:]]
-
-
-def _elems(box) -> int:
-    n = 1
-    for a, b in box:
-        n *= b - a
-    return n
+            _as_p2p(plan, op.index, me, src, src_at, out, dst_at, dtype, sends, recvs)
 
 
 def _collective(plan, index, me, sub, src, src_at, out, dst_at) -> None:
@@ -165,57 +174,72 @@ def _collective(plan, index, me, sub, src, src_at, out, dst_at) -> None:
     place_result(plan, index, me, result.view(buf.dtype), out, dst_at)
 
 
-def _as_p2p(plan, index, me, src, src_at, recvs, out) -> list:
-    """A collective's transfers for this rank, as point-to-point entries of the round's batch."""
+def _as_p2p(plan, index, me, src, src_at, out, dst_at, dtype, sends: list, recvs: list) -> None:
+    """A collective's transfers for this rank, as point-to-point entries of the round's exchange."""
     col = plan.collectives[index]
     i = col.members.index(plan.rank_id(me))
-    entries = []
     for j, m in enumerate(col.members):
         if j == i:
             continue
         peer = int(plan.ranks[m])
         mine = col.boxes[i] if col.kind is OpKind.ALL_GATHER else col.boxes[i, j]
         theirs = col.boxes[j] if col.kind is OpKind.ALL_GATHER else col.boxes[j, i]
-        entries.append(("send", wire(pack(src, tuple(map(tuple, mine.tolist())), src_at)), peer))
-        buf = np.empty(col.elems, dtype=src.dtype)
-        entries.append(("recv", wire(buf), peer))
-        recvs.append((tuple(map(tuple, theirs.tolist())), buf))
-    return entries
+        sends.append((peer, src[local_slices(tuple(map(tuple, mine.tolist())), src_at)]))
+        recvs.append((peer, out[local_slices(tuple(map(tuple, theirs.tolist())), dst_at)], dtype))
 
 
-def _exchange(group, batch: list) -> None:
-    """Send and receive a round's buffers with one message per peer and direction.
+def _exchange(group, sends: list, recvs: list, copies: list = ()) -> None:
+    """Send and receive a round's boxes with one message per peer and direction.
 
-    Both ends list the buffers between them in the same order (the plan's), so the sender can
-    concatenate its buffers for a peer as raw bytes and the receiver cut the message back into its
-    buffers: a round costs at most one message per pair however many pieces it moves."""
-    if not batch:
+    Both ends list the boxes between them in the same order (the plan's), so the sender packs its
+    boxes for a peer straight into one buffer and the receiver unpacks the message straight into
+    its target views: one copy on each side, and a round costs at most one message per pair
+    however many pieces it moves. A lone contiguous box travels without any copy. The local copies
+    run between posting the messages and waiting for them, hidden behind the transfer."""
+    if not sends and not recvs:
+        for target, source in copies:
+            target[...] = source
         return
     from ms_layout.comm import P2POp
 
-    sends: dict[int, list[np.ndarray]] = {}
-    recvs: dict[int, list[np.ndarray]] = {}
-    for kind, buf, peer in batch:
-        (sends if kind == "send" else recvs).setdefault(peer, []).append(buf)
-    ops, merged = [], []
-    for peer, bufs in sends.items():
-        message = bufs[0] if len(bufs) == 1 else np.concatenate([_bytes(b) for b in bufs])
+    by_peer: dict[int, list] = {}
+    for peer, view in sends:
+        by_peer.setdefault(peer, []).append(view)
+    ops, unpacks = [], []
+    for peer, views in by_peer.items():
+        if len(views) == 1 and views[0].flags.c_contiguous:
+            message = wire(views[0].reshape(-1))
+        else:
+            message = np.empty(sum(v.nbytes for v in views), np.uint8)
+            offset = 0
+            for v in views:
+                message[offset : offset + v.nbytes].view(v.dtype).reshape(v.shape)[...] = v
+                offset += v.nbytes
         if message.nbytes:
             ops.append(P2POp("send", message, _local(group, peer)))
-    for peer, bufs in recvs.items():
-        message = bufs[0] if len(bufs) == 1 else np.empty(sum(b.nbytes for b in bufs), np.uint8)
-        if message.nbytes:
-            ops.append(P2POp("recv", message, _local(group, peer)))
-            if len(bufs) > 1:
-                merged.append((message, bufs))
-    for work in group.batch_isend_irecv(ops):
+    by_peer = {}
+    for peer, target, dtype in recvs:
+        by_peer.setdefault(peer, []).append((target, dtype))
+    for peer, targets in by_peer.items():
+        nbytes = sum(t.size * d.itemsize for t, d in targets)
+        if not nbytes:
+            continue
+        (target, dtype), direct = targets[0], False
+        if len(targets) == 1 and target.dtype == dtype and target.flags.c_contiguous:
+            message, direct = wire(target.reshape(-1)), True  # straight into the target shard
+        else:
+            message = np.empty(nbytes, np.uint8)
+        ops.append(P2POp("recv", message, _local(group, peer)))
+        if not direct:
+            unpacks.append((message, targets))
+    works = group.batch_isend_irecv(ops)
+    for target, source in copies:
+        target[...] = source
+    for work in works:
         work.wait()
-    for message, bufs in merged:
+    for message, targets in unpacks:
         offset = 0
-        for b in bufs:
-            _bytes(b)[...] = message[offset : offset + b.nbytes]
-            offset += b.nbytes
-
-
-def _bytes(buf: np.ndarray) -> np.ndarray:
-    return buf.reshape(-1).view(np.uint8)
+        for target, dtype in targets:
+            n = target.size * dtype.itemsize
+            target[...] = message[offset : offset + n].view(dtype).reshape(target.shape)  # cast on arrival
+            offset += n

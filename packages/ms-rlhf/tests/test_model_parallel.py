@@ -92,3 +92,12 @@ def test_two_ranks_match_one_rank_and_resume_on_one(run_ranks, tmp_path, base, s
     resumed.step()
     assert resumed.history[-1]["reward"] == one.history[-1]["reward"]
     assert _close(resumed.history[-1]["loss"], one.history[-1]["loss"])
+
+
+@pytest.mark.parametrize("split", [{"tp": 2}, {"pp": 2, "packing": False}])
+def test_a_split_that_does_not_fit_the_ranks_is_refused(split):
+    from ms_rlhf import RLHFError, TrainConfig
+    from ms_rlhf.runtime.trainer import GRPOTrainer
+
+    with pytest.raises(RLHFError, match="do not fit the 1 ranks of this run"):
+        GRPOTrainer(TrainConfig(**{**CONFIG, **split}))

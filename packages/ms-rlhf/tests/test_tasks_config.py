@@ -59,3 +59,18 @@ def test_config_errors_name_the_key(tmp_path):
     toml.write_text('steps = 4\ntask = "reverse"\n[task_params]\nalphabet = "ab"\n')
     cfg = load_config(toml)
     assert cfg.task_params == {"alphabet": "ab"} and TrainConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        ({"tp": 0}, "tp=0"),
+        ({"pp": True}, "pp=True"),
+        ({"pp": 2}, "pp=2 needs packing=false"),
+        ({"pp": 2, "packing": False, "tp": 2}, "tp=2"),
+        ({"pipeline_schedule": ""}, "pipeline_schedule=''"),
+    ],
+)
+def test_parallel_fields_are_checked_by_name(fields, named):
+    with pytest.raises(RLHFError, match=named.replace("(", r"\(")):
+        TrainConfig(**fields)

@@ -59,25 +59,17 @@ class GRPOTrainer:
         self.task = make_task(cfg.task, **cfg.task_params)
         self.tokenizer = self.task.tokenizer
         self.stream = PromptStream(self.task, cfg.seed, cfg.dataset_size)
-        # Only the training model starts from the initial weights; the other two start elsewhere
-        # and get theirs through weight sync, which is what the tests check.
-        if self.world % cfg.tp or (cfg.pp > 1 and self.world != cfg.pp):
-            raise RLHFError(f"config tp={cfg.tp}, pp={cfg.pp} do not fit the {self.world} ranks of this run "
-                            "(tp must divide them; pipeline training runs on exactly pp ranks)")  # fmt: skip
-        self.tp, self.pp = cfg.tp, cfg.pp
-        self.dp = self.world // (cfg.tp * cfg.pp)
-        self.dp_rank = self.rank // cfg.tp if cfg.pp == 1 else 0
-        self.tp_group, self.dp_group = tp_and_dp_groups(self.group, cfg.tp)
-        if cfg.pp > 1:
-            self.dp_group = SingleProcessGroup()
+        self._groups(cfg)
         model = build_model(cfg, self.tokenizer, cfg.seed)
         self.model_config = model.config
         full = {n: p.asnumpy() for n, p in model.parameters_and_names()}
         self.model = model if cfg.tp == 1 else training_shard(model, self.tp_group)
+        # Only the training model starts from the initial weights; the other two start elsewhere
+        # and get theirs through weight sync, which is what the tests check.
         self.infer_model = build_model(cfg, self.tokenizer, cfg.seed + 1000)
         self.ref_model = build_model(cfg, self.tokenizer, cfg.seed + 2000)
         self.actor, owner = None, None
-        if cfg.pp > 1:
+        if cfg.pp > 1:  # micro-batches of one mini-batch: the pipeline's m
             m = -(-cfg.prompts_per_step * cfg.samples_per_prompt // cfg.updates_per_rollout // cfg.micro_batch_size)
             self.actor = PipelinedActor(model, self.group, m, cfg.micro_batch_size, cfg.max_pack_len, cfg)
             owner = owners(full, self.model_config.num_hidden_layers, self.actor.schedule)
@@ -102,6 +94,19 @@ class GRPOTrainer:
         self.step_count, self.history, self.length_memory = 0, [], {}
         self.last_sync = self._sync_all(ref=True)
         self._ms = ms
+
+    def _groups(self, cfg: TrainConfig) -> None:
+        """DP, TP and PP sizes and groups of this run: DP replicas of tp consecutive ranks, or one
+        pipeline over every rank."""
+        if self.world % cfg.tp or (cfg.pp > 1 and self.world != cfg.pp):
+            raise RLHFError(f"config tp={cfg.tp}, pp={cfg.pp} do not fit the {self.world} ranks of this run "
+                            "(tp must divide them; pipeline training runs on exactly pp ranks)")  # fmt: skip
+        self.tp, self.pp = cfg.tp, cfg.pp
+        self.dp = self.world // (cfg.tp * cfg.pp)
+        self.dp_rank = self.rank // cfg.tp if cfg.pp == 1 else 0
+        self.tp_group, self.dp_group = tp_and_dp_groups(self.group, cfg.tp)
+        if cfg.pp > 1:
+            self.dp_group = SingleProcessGroup()
 
     # ------------------------------------------------------------------------------- weight sync
     def _sync_all(self, ref: bool = False) -> dict:

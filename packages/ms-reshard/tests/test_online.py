@@ -39,12 +39,15 @@ def _global(shape, dtype="float32"):
 
 
 def rank_tensor_plans(group):
+    from ms_reshard import exchange
     from ms_reshard.exchange import make_groups, run_plan
 
     assert group.ranks == (0, 1, 2, 3)
 
     me, results = group.rank, []
-    for src, dst, shape, plan_kw, run_kw in CASES:
+    # every case twice: contiguous boxes of any size as their own messages, then the default
+    for k, (src, dst, shape, plan_kw, run_kw) in enumerate(CASES + CASES):
+        exchange.DIRECT_BYTES = 0 if k < len(CASES) else 256 << 10
         run_kw = dict(run_kw)
         x = _global(shape, run_kw.pop("dtype", "float32"))
         p = plan(src, dst, shape, itemsize=x.dtype.itemsize, **plan_kw)
@@ -61,7 +64,7 @@ def test_tensor_plans_on_four_gloo_ranks(run_ranks):
     results = run_ranks(rank_tensor_plans, nprocs=4, backend="gloo", timeout=120)
     forced = [(s, d, shape, kw) for s, d, shape, kw, _ in CASES if kw.get("multicast_min") == 0]
     assert all(plan(s, d, shape, **kw).multicast is not None for s, d, shape, kw in forced)
-    for k, (_, dst, shape, _, run_kw) in enumerate(CASES):
+    for k, (_, dst, shape, _, run_kw) in enumerate(CASES + CASES):
         x = _global(shape, run_kw.get("dtype", "float32")).astype(np.float32)
         for rank in range(4):
             got = results[rank][k]

@@ -10,6 +10,7 @@ group is any object following ``ms_layout.comm.ProcessGroup``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import numpy as np
@@ -100,7 +101,7 @@ def _job(plan: TensorPlan, src, out, dtype, me: int) -> dict:
     if (src is None) == in_src or (out is None) == in_dst:
         raise ReshardError(f"rank {me}: src given={src is not None}, out given={out is not None}; the plan says "
                            f"{in_src=} {in_dst=}")  # fmt: skip
-    ops, src_at, dst_at = _static(plan, me, in_src, in_dst)
+    ops, src_at, dst_at, shards = _static(plan, me, in_src, in_dst)
     return {
         "plan": plan,
         "src": src,
@@ -108,13 +109,14 @@ def _job(plan: TensorPlan, src, out, dtype, me: int) -> dict:
         "ops": ops,
         "src_at": src_at,
         "dst_at": dst_at,
+        "shards": shards,
         "dtype": np.dtype(dtype) if dtype is not None else (src.dtype if src is not None else out.dtype),
     }
 
 
 def _static(plan: TensorPlan, me: int, in_src: bool, in_dst: bool) -> tuple:
-    """(op list, source origin, target origin) of rank `me`, kept on the plan: a reshard run every
-    step (RLHF weight sync) then walks ready lists instead of re-deriving them from the columns."""
+    """(op list, source origin, target origin, both shard shapes) of rank `me`, kept on the plan: a
+    reshard run every step (RLHF weight sync) then walks ready lists instead of re-deriving them."""
     memo = plan.__dict__.setdefault("_exchange_static", {})
     found = memo.get(me)
     if found is None:
@@ -122,8 +124,33 @@ def _static(plan: TensorPlan, me: int, in_src: bool, in_dst: bool) -> tuple:
             plan.rank_ops(me),
             tuple(s.start for s in plan.src.global_slice(plan.shape, me)) if in_src else (),
             tuple(s.start for s in plan.dst.global_slice(plan.shape, me)) if in_dst else (),
+            (plan.src.shard_shape(plan.shape), plan.dst.shard_shape(plan.shape)),
         )
     return found
+
+
+DIRECT_BYTES = 256 << 10
+"""Boxes from this size on that are one contiguous block of both shards travel as their own message,
+sent from and received into the shards themselves (no pack, no unpack); smaller ones share the
+per-peer message, where one copy costs less than one more message."""
+
+
+def _direct(shards: tuple, box, itemsize: int) -> bool:
+    """Whether `box` travels as its own message. Both ends decide alike: from the box and the two
+    shard shapes, which the plan gives both, not from their own arrays."""
+    extent = [b - a for a, b in box]
+    if math.prod(extent) * itemsize < DIRECT_BYTES:
+        return False
+    return all(_contiguous(extent, shape) for shape in shards)
+
+
+def _contiguous(extent: list[int], shape: tuple[int, ...]) -> bool:
+    """Whether a box of `extent` is one C-order block of an array of `shape`: after the leading
+    dims of extent 1, at most one dim is partial and every later dim is whole."""
+    k = 0
+    while k < len(extent) and extent[k] == 1:
+        k += 1
+    return all(e == n for e, n in zip(extent[k + 1 :], shape[k + 1 :]))
 
 
 def _buckets(jobs: list[dict], bucket_bytes: int | None) -> list[list[dict]]:
@@ -149,19 +176,20 @@ def _round(
     messages as (peer, source view) and (peer, target view, dtype on the wire) for the round's
     shared exchange, which runs the copies while the messages are in flight."""
     plan, src, out, src_at, dst_at, dtype = (job[k] for k in ("plan", "src", "out", "src_at", "dst_at", "dtype"))
+    shards, size = job["shards"], job["dtype"].itemsize
     for op in job["ops"]:
         if op.round != rnd:
             continue
         if op.kind is OpKind.COPY:
             copies.append((out[local_slices(op.box, dst_at)], src[local_slices(op.box, src_at)]))
         elif op.kind is OpKind.SEND:
-            sends.append((op.peer, src[local_slices(op.box, src_at)]))
+            sends.append((op.peer, src[local_slices(op.box, src_at)], _direct(shards, op.box, size)))
         elif op.kind is OpKind.RECV:
-            recvs.append((op.peer, out[local_slices(op.box, dst_at)], dtype))
+            recvs.append((op.peer, out[local_slices(op.box, dst_at)], dtype, _direct(shards, op.box, size)))
         elif collectives and op.group in subgroups:
             _collective(plan, op.index, me, subgroups[op.group], src, src_at, out, dst_at)
         else:
-            _as_p2p(plan, op.index, me, src, src_at, out, dst_at, dtype, sends, recvs)
+            _as_p2p(plan, op.index, me, src, src_at, out, dst_at, dtype, sends, recvs, shards)
 
 
 def _collective(plan, index, me, sub, src, src_at, out, dst_at) -> None:
@@ -174,7 +202,7 @@ def _collective(plan, index, me, sub, src, src_at, out, dst_at) -> None:
     place_result(plan, index, me, result.view(buf.dtype), out, dst_at)
 
 
-def _as_p2p(plan, index, me, src, src_at, out, dst_at, dtype, sends: list, recvs: list) -> None:
+def _as_p2p(plan, index, me, src, src_at, out, dst_at, dtype, sends: list, recvs: list, shards: tuple) -> None:
     """A collective's transfers for this rank, as point-to-point entries of the round's exchange."""
     col = plan.collectives[index]
     i = col.members.index(plan.rank_id(me))
@@ -184,18 +212,21 @@ def _as_p2p(plan, index, me, src, src_at, out, dst_at, dtype, sends: list, recvs
         peer = int(plan.ranks[m])
         mine = col.boxes[i] if col.kind is OpKind.ALL_GATHER else col.boxes[i, j]
         theirs = col.boxes[j] if col.kind is OpKind.ALL_GATHER else col.boxes[j, i]
-        sends.append((peer, src[local_slices(tuple(map(tuple, mine.tolist())), src_at)]))
-        recvs.append((peer, out[local_slices(tuple(map(tuple, theirs.tolist())), dst_at)], dtype))
+        mine, theirs = tuple(map(tuple, mine.tolist())), tuple(map(tuple, theirs.tolist()))
+        sends.append((peer, src[local_slices(mine, src_at)], _direct(shards, mine, dtype.itemsize)))
+        recvs.append((peer, out[local_slices(theirs, dst_at)], dtype, _direct(shards, theirs, dtype.itemsize)))
 
 
 def _exchange(group, sends: list, recvs: list, copies: list = ()) -> None:
-    """Send and receive a round's boxes with one message per peer and direction.
+    """Send and receive a round's boxes with at most one shared message per peer and direction.
 
-    Both ends list the boxes between them in the same order (the plan's), so the sender packs its
-    boxes for a peer straight into one buffer and the receiver unpacks the message straight into
-    its target views: one copy on each side, and a round costs at most one message per pair
-    however many pieces it moves. A lone contiguous box travels without any copy. The local copies
-    run between posting the messages and waiting for them, hidden behind the transfer."""
+    Both ends list the boxes between them in the same order (the plan's). Big boxes that are one
+    contiguous block of both shards (`_direct`) travel as their own messages, straight from the
+    source shard into the target shard; the sender packs the others for a peer into one buffer
+    and the receiver unpacks it straight into its target views: at most one copy on each side,
+    and one shared message per pair however many small pieces it moves. Messages between a pair
+    are posted in the same order on both ends (the shared one first), which is how they match.
+    The local copies run between posting the messages and waiting for them, behind the transfer."""
     if not sends and not recvs:
         for target, source in copies:
             target[...] = source
@@ -203,35 +234,49 @@ def _exchange(group, sends: list, recvs: list, copies: list = ()) -> None:
     from ms_layout.comm import P2POp
 
     by_peer: dict[int, list] = {}
-    for peer, view in sends:
-        by_peer.setdefault(peer, []).append(view)
+    for peer, view, direct in sends:
+        by_peer.setdefault(peer, []).append((view, direct))
     ops, unpacks = [], []
-    for peer, views in by_peer.items():
-        if len(views) == 1 and views[0].flags.c_contiguous:
-            message = wire(views[0].reshape(-1))
+    for peer, items in by_peer.items():
+        rank = _local(group, peer)
+        packed = [v for v, direct in items if not direct]
+        if len(packed) == 1 and packed[0].flags.c_contiguous:
+            message = wire(packed[0].reshape(-1))
         else:
-            message = np.empty(sum(v.nbytes for v in views), np.uint8)
+            message = np.empty(sum(v.nbytes for v in packed), np.uint8)
             offset = 0
-            for v in views:
+            for v in packed:
                 message[offset : offset + v.nbytes].view(v.dtype).reshape(v.shape)[...] = v
                 offset += v.nbytes
         if message.nbytes:
-            ops.append(P2POp("send", message, _local(group, peer)))
+            ops.append(P2POp("send", message, rank))
+        for v, direct in items:
+            if direct:  # contiguous in the plan's shard; a caller's strided array still needs a copy
+                ops.append(P2POp("send", wire(np.ascontiguousarray(v).reshape(-1)), rank))
     by_peer = {}
-    for peer, target, dtype in recvs:
-        by_peer.setdefault(peer, []).append((target, dtype))
-    for peer, targets in by_peer.items():
-        nbytes = sum(t.size * d.itemsize for t, d in targets)
-        if not nbytes:
-            continue
-        (target, dtype), direct = targets[0], False
-        if len(targets) == 1 and target.dtype == dtype and target.flags.c_contiguous:
-            message, direct = wire(target.reshape(-1)), True  # straight into the target shard
-        else:
-            message = np.empty(nbytes, np.uint8)
-        ops.append(P2POp("recv", message, _local(group, peer)))
-        if not direct:
-            unpacks.append((message, targets))
+    for peer, target, dtype, direct in recvs:
+        by_peer.setdefault(peer, []).append((target, dtype, direct))
+    for peer, items in by_peer.items():
+        rank = _local(group, peer)
+        packed = [(t, d) for t, d, direct in items if not direct]
+        nbytes = sum(t.size * d.itemsize for t, d in packed)
+        if nbytes:
+            target, dtype = packed[0]
+            if len(packed) == 1 and target.dtype == dtype and target.flags.c_contiguous:
+                ops.append(P2POp("recv", wire(target.reshape(-1)), rank))  # straight into the shard
+            else:
+                message = np.empty(nbytes, np.uint8)
+                ops.append(P2POp("recv", message, rank))
+                unpacks.append((message, packed))
+        for target, dtype, direct in items:
+            if not direct:
+                continue
+            if target.dtype == dtype and target.flags.c_contiguous:
+                ops.append(P2POp("recv", wire(target.reshape(-1)), rank))
+            else:
+                message = np.empty(target.size * dtype.itemsize, np.uint8)
+                ops.append(P2POp("recv", message, rank))
+                unpacks.append((message, [(target, dtype)]))
     works = group.batch_isend_irecv(ops)
     for target, source in copies:
         target[...] = source

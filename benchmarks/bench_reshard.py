@@ -405,6 +405,11 @@ def summary(rows: list[dict], old: dict) -> dict:
     ratios = [r["moved/lower_bound"] for r in rows if r["section"] == "planning"]
     if ratios:
         out["moved_over_lower_bound"] = max(ratios)
+    for row in rows:  # the online executor against one all-to-all of the same bytes
+        if row["section"] == "online" and row["case"].endswith("bucketed"):
+            n = row["case"].split(" gloo ranks")[0].rsplit(" ", 1)[1]
+            out[f"online_over_all_to_all_{n}"] = row["reshard/all_to_all_time"]
+            out[f"online_over_all_to_all_plus_copy_{n}"] = row["reshard/(all_to_all+copy)_time"]
     return out
 
 
@@ -428,7 +433,7 @@ def write(path: str, rows: list[dict], full: bool, replace: frozenset[str] | set
         "benchmark": "reshard",
         "title": "ms-reshard: planning at DeepSeek-V3 scale, bytes against MindSpore, online throughput",
         "machine": machine_info("mindspore"),
-        "summary": summary(rows, old.get("summary", {})),
+        "summary": summary(kept + rows, old.get("summary", {})),
         "rows": sorted(kept + rows, key=lambda r: ["planning", "bytes", "online"].index(r["section"])),
     }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -91,3 +91,15 @@ def test_a_complete_exchange_stays_an_all_gather():
     assert (p.received == p.lower_bound).all()
     q = plan(lay("dp", "None"), lay("None", "None"), (256, 4), collectives=False)
     assert q.multicast is not None and len(q.multicast) == 256 and q.bytes_moved() == p.bytes_moved()
+
+
+def test_executor_op_lists_are_kept_per_plan_object_not_per_shared_arrays():
+    # a relabeled plan (another pipeline stage) shares the arrays of the first but not its peers
+    from ms_reshard.exchange import _static
+
+    src = Layout((2,), ("tp",))("tp", "None")
+    p = plan(src, Layout((2,), ("tp",), rank_list=(2, 3))("None", "tp"), (4, 4))
+    q = p.relabel(p.src, Layout((2,), ("tp",), rank_list=(4, 5))("None", "tp"), np.array([0, 1, 4, 5]))
+    assert q.xfer_src is p.xfer_src
+    assert {op.peer for op in _static(p, 0, True, False)[0]} == {2, 3}
+    assert {op.peer for op in _static(q, 0, True, False)[0]} == {4, 5}

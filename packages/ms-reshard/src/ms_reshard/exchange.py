@@ -11,6 +11,7 @@ group is any object following ``ms_layout.comm.ProcessGroup``.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable
 
 import numpy as np
@@ -114,10 +115,14 @@ def _job(plan: TensorPlan, src, out, dtype, me: int) -> dict:
     }
 
 
+_STATIC: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per plan object (not per arrays: a relabeled plan shares them but not its ranks): rank -> _static."""
+
+
 def _static(plan: TensorPlan, me: int, in_src: bool, in_dst: bool) -> tuple:
     """(op list, source origin, target origin, both shard shapes) of rank `me`, kept on the plan: a
     reshard run every step (RLHF weight sync) then walks ready lists instead of re-deriving them."""
-    memo = plan.__dict__.setdefault("_exchange_static", {})
+    memo = _STATIC.setdefault(plan, {})
     found = memo.get(me)
     if found is None:
         found = memo[me] = (

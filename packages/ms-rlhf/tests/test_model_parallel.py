@@ -1,7 +1,8 @@
 """GRPO with the actor trained under tensor parallelism (tp=2) or pipeline parallelism (pp=2,
 ZeroBubbleV) on 2 gloo ranks: the same losses as one process, the rollout model fed by ms-reshard
 from the split master weights with exactly the bytes it lacks, and the run's checkpoint resumed on
-one rank (tp2 -> 1, pp2 -> 1) going on as the single-process run does.
+one rank (tp2 -> 1, pp2 -> 1) and the tp2 one as pp2 (tp2 -> pp2), going on as the single-process
+run does.
 
 The TP shard is ms_models.parallel.training_shard (Megatron's f and g, eager): each rank holds half
 of every projection, the embedding, norms and head whole. The pipelined actor is ms-pipeline's
@@ -19,9 +20,10 @@ from ms_rlhf.config import DEFAULT_MODEL
 pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch]
 
 STEPS = 3
-TP = {**CONFIG, "steps": STEPS, "model": {**DEFAULT_MODEL, "num_key_value_heads": 2}}
-# ZeroBubbleV's four stages need four blocks at least: embedding, two layers, head
-PP = {**CONFIG, "steps": STEPS, "packing": False, "model": {**DEFAULT_MODEL, "num_hidden_layers": 2}}
+# one model both splits take: two kv heads (tp=2), two layers (ZeroBubbleV's four stages need four
+# blocks: embedding, two layers, head), padded rows (pipeline blocks see one causal row)
+MODEL = {**DEFAULT_MODEL, "num_key_value_heads": 2, "num_hidden_layers": 2}
+BASE = {**CONFIG, "steps": STEPS, "packing": False, "model": MODEL}
 
 
 def _close(got: float, want: float) -> bool:
@@ -51,21 +53,21 @@ def parallel_rank(group, config: dict) -> dict:
     }
 
 
-@pytest.mark.parametrize("base, split", [(TP, {"tp": 2}), (PP, {"pp": 2})], ids=["tp2", "pp2-zbv"])
-def test_two_ranks_match_one_rank_and_resume_on_one(run_ranks, tmp_path, base, split):
+@pytest.mark.parametrize("split", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2-zbv"])
+def test_two_ranks_match_one_rank_and_resume_on_one(run_ranks, tmp_path, split):
     import mindspore as ms
 
     from ms_rlhf import TrainConfig
     from ms_rlhf.runtime.trainer import GRPOTrainer
 
     ms.set_device("CPU")
-    one = GRPOTrainer(TrainConfig(**{**base, "steps": STEPS + 1}))
+    one = GRPOTrainer(TrainConfig(**{**BASE, "steps": STEPS + 1}))
     for _ in range(STEPS):
         one.step()
     want = {n: p.asnumpy().copy() for n, p in one.model.parameters_and_names()}
     one.step()
 
-    config = {**base, **split, "checkpoint_dir": str(tmp_path / "ckpt")}
+    config = {**BASE, **split, "checkpoint_dir": str(tmp_path / "ckpt")}
     results = run_ranks(parallel_rank, nprocs=2, backend="gloo", timeout=900, args=(config,))
     for rank, r in enumerate(results):
         assert [h["reward"] for h in r["history"]] == [h["reward"] for h in one.history[:STEPS]]
@@ -85,13 +87,30 @@ def test_two_ranks_match_one_rank_and_resume_on_one(run_ranks, tmp_path, base, s
             np.testing.assert_allclose(r["infer"][name], value, rtol=1e-4, atol=1e-6, err_msg=name)
 
     # tp2 -> 1: the checkpoint's TP shards resharded into one rank's layout, then one more step
-    resumed = GRPOTrainer(TrainConfig(**{**base, "steps": STEPS + 1}))
+    resumed = GRPOTrainer(TrainConfig(**{**BASE, "steps": STEPS + 1}))
     resumed.load_checkpoint(results[0]["path"])
     for name, p in resumed.model.parameters_and_names():
         assert np.array_equal(p.asnumpy(), results[0]["infer"][name]), name  # a copy of the gathered shards
     resumed.step()
     assert resumed.history[-1]["reward"] == one.history[-1]["reward"]
     assert _close(resumed.history[-1]["loss"], one.history[-1]["loss"])
+    if "tp" in split:  # tp2 -> pp2: the TP shards resharded into the pipeline's stages, one more step
+        config = {**BASE, "pp": 2, "steps": STEPS + 1}
+        for last in run_ranks(resume_rank, nprocs=2, backend="gloo", timeout=900, args=(config, results[0]["path"])):
+            assert last["reward"] == one.history[-1]["reward"]
+            assert _close(last["loss"], one.history[-1]["loss"])
+
+
+def resume_rank(group, config: dict, path: str) -> dict:
+    import mindspore as ms
+
+    from ms_rlhf import TrainConfig
+    from ms_rlhf.runtime.trainer import GRPOTrainer
+
+    ms.set_device("CPU")
+    trainer = GRPOTrainer(TrainConfig(**config), group)
+    trainer.load_checkpoint(path)
+    return trainer.step()
 
 
 @pytest.mark.parametrize("split", [{"tp": 2}, {"pp": 2, "packing": False}])
@@ -100,4 +119,4 @@ def test_a_split_that_does_not_fit_the_ranks_is_refused(split):
     from ms_rlhf.runtime.trainer import GRPOTrainer
 
     with pytest.raises(RLHFError, match="do not fit the 1 ranks of this run"):
-        GRPOTrainer(TrainConfig(**{**CONFIG, **split}))
+        GRPOTrainer(TrainConfig(**{**BASE, **split}))

@@ -53,8 +53,10 @@ def parallel_rank(group, config: dict) -> dict:
     }
 
 
-@pytest.mark.parametrize("split", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2-zbv"])
-def test_two_ranks_match_one_rank_and_resume_on_one(run_ranks, tmp_path, split):
+@pytest.fixture(scope="module")
+def one_process():
+    """The single-process run both splits are held to: its trainer after STEPS + 1 steps and its
+    weights after STEPS."""
     import mindspore as ms
 
     from ms_rlhf import TrainConfig
@@ -66,6 +68,15 @@ def test_two_ranks_match_one_rank_and_resume_on_one(run_ranks, tmp_path, split):
         one.step()
     want = {n: p.asnumpy().copy() for n, p in one.model.parameters_and_names()}
     one.step()
+    return one, want
+
+
+@pytest.mark.parametrize("split", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2-zbv"])
+def test_two_ranks_match_one_rank_and_resume_on_one(run_ranks, tmp_path, split, one_process):
+    from ms_rlhf import TrainConfig
+    from ms_rlhf.runtime.trainer import GRPOTrainer
+
+    one, want = one_process
 
     config = {**BASE, **split, "checkpoint_dir": str(tmp_path / "ckpt")}
     results = run_ranks(parallel_rank, nprocs=2, backend="gloo", timeout=900, args=(config,))

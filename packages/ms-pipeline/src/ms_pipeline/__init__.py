@@ -27,6 +27,7 @@ from .schedules import (
 )
 from .serialize import dumps, from_csv, load, loads, save, to_csv
 from .simulate import Bubbles, CostModel, Event, SimResult, mean_durations, peak_activation, simulate
+from .trace import check_trace, replay
 from .transforms import fuse_adjacent_backward, fuse_backward, fuse_where_faster, split_pairs
 from .validate import format_grid, is_valid, validate
 
@@ -44,6 +45,7 @@ __all__ = [
     "ScheduleError",
     "SimResult",
     "build",
+    "check_trace",
     "chrome_trace",
     "draw_png",
     "dumps",
@@ -64,6 +66,7 @@ __all__ = [
     "parse_actions",
     "peak_activation",
     "read_chrome_trace",
+    "replay",
     "runtime",
     "save",
     "simulate",

@@ -17,6 +17,7 @@ import numpy as np
 from ..ir import Schedule
 from ..placement import LayerPlacement
 from ..simulate import Bubbles
+from ..trace import check_trace, replay
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,7 @@ def run_demo(schedule: Schedule, *, seed: int = 0, timeout: float = 600.0) -> di
     covered = {k for r in results for k in r["grads"]} == set(ref_grads)
     events = [e for r in results for e in r["events"] if e.action.is_compute]
     bubbles = Bubbles.of(events, schedule.num_ranks)
+    problems = check_trace(schedule, events)
     return {
         "schedule": schedule.name,
         "ranks": schedule.num_ranks,
@@ -143,5 +145,7 @@ def run_demo(schedule: Schedule, *, seed: int = 0, timeout: float = 600.0) -> di
         "matches_reference": bool(covered and rel <= RTOL and loss_rel <= RTOL),
         "step_seconds": max(r["times"][-1] for r in results),
         "measured_bubble_rate": bubbles.bubble_rate,
+        "replayed_bubble_rate": None if problems else replay(schedule, events).bubble_rate,
+        "trace_problems": problems,
         "wall_seconds": wall,
     }

@@ -63,6 +63,8 @@ class Clocks:
         self.keep = keep
         self.probes: dict[int, deque] = {}
         self.hosts: dict[int, str] = {}
+        self.relayed: dict[int, Offset] = {}
+        """offsets of ranks behind relays: the relay's plus the rank's against the relay"""
 
     def observe(self, rank: int, host: str, t0: float, a: float, t1: float) -> None:
         self.probes.setdefault(rank, deque(maxlen=self.keep)).append((t0, a, t1))
@@ -84,3 +86,16 @@ class Clocks:
 
     def forget(self, rank: int) -> None:
         self.probes.pop(rank, None)
+
+    def observe_relayed(self, rank: int, hop: list[tuple[float, float, float]], tdone: dict) -> None:
+        """A relayed rank's offset from its ``tdone``: the relay's offset against this daemon (from
+        `hop`, the relay connection's probes) plus the rank's against the relay (``clk``, ``clke``)."""
+        relay = estimate(hop)
+        if relay is None or "clk" not in tdone:  # the relay did not measure the rank: unknown, not aligned
+            self.relayed.pop(rank, None)
+            return
+        self.relayed[rank] = relay.plus(Offset(tdone["clk"], tdone.get("clke", 0.0), 1))
+
+    def aligned(self, rank: int) -> Offset | None:
+        """The rank's clock minus the daemon's, if probes measured it (directly or through a relay)."""
+        return self.relayed.get(rank) or self.offset(rank)

@@ -5,6 +5,8 @@ and, when ``forward`` is set, a client connection to a cluster aggregator (anoth
 validated sample batch is relayed up through a bounded queue (dropped and counted when the
 aggregator is slow), and trace commands from the aggregator are run here as local jobs whose files
 go back up. An HTTP server (``http_api.py``) runs in a thread beside the loop and reads the store.
+The loop's periodic work (clock probes, trace deadlines, /dev/shm sweeps, flushes) is in
+``periodic.py``; a connection's state is a ``Conn`` (``conn.py``).
 
 Security: listeners default to 127.0.0.1; binding anything else requires a token, which agents
 then send in their hello. HTTP commands that change a process (trace) always need the token in
@@ -23,12 +25,12 @@ import os
 import signal
 import threading
 import time
-from collections import deque
 from typing import Any, Callable
 
-from . import auth, shm, wire
-from .clock import KEEP, Clocks, Offset, estimate
+from . import auth, periodic, wire
+from .clock import Clocks, Offset
 from .config import DaemonConfig
+from .conn import Conn
 from .errors import FrameError, MonitorError, WireError
 from .exporters import JsonlWriter, TensorBoardWriter, prometheus_text
 from .http_api import Api, start_http
@@ -37,27 +39,6 @@ from .store import Store
 from .traces import TraceJob, TraceManager, dyno_config, start_step
 
 log = logging.getLogger("ms_monitor.daemon")
-#: seconds between sweeps for stale shared memory segments (``shm.py``)
-SHM_SWEEP = 2.0
-
-
-class Conn:
-    """One open agent, dyno or relay connection."""
-
-    def __init__(self, writer: asyncio.StreamWriter, hello: dict):
-        self.writer = writer
-        self.role: str = hello["role"]
-        self.rank: int = hello["rank"]
-        self.host: str = hello.get("host", "")
-        self.poll: bool = hello.get("poll", True)  # a dyno connection that takes configs
-        self.clk: bool = hello.get("clk", False)  # answers clock probes (clock.py)
-        self.ranks: set[int] = set() if self.role == "relay" else {self.rank}
-        self.told_refused = False  # whether it was told that some of its ranks are over the limit
-        self.probes: deque = deque(maxlen=KEEP)  # clock probes (t0, a, t1) of this connection
-
-    def send(self, msg: dict) -> None:
-        if not self.writer.is_closing():
-            self.writer.write(wire.encode(msg))
 
 
 class Daemon:
@@ -75,9 +56,7 @@ class Daemon:
         self.token_file: str | None = None
         """where the made token was written"""
         self.clocks = Clocks()
-        """clock probes of the agent and dyno ranks (``clock.py``)"""
-        self.relayed_clocks: dict[int, Offset] = {}
-        """offsets of ranks behind relays: the relay's plus the rank's against the relay"""
+        """clock probes of the agent and dyno ranks, offsets of relayed ones (``clock.py``)"""
         self.traces = TraceManager(
             self.config.trace_dir, forward=self.relay.put if self.relay else None, offset_of=self.clock_offset
         )
@@ -127,8 +106,9 @@ class Daemon:
                 self.token_file = cfg.token_file or auth.default_token_file(port)
                 auth.write_token(self.token_file, self.token)
                 log.info("ms-monitor daemon: HTTP token written to %s", self.token_file)
-        self._sweep_shm()
-        self._tasks = [asyncio.ensure_future(self._tick())]
+        periodic.sweep_shm(cfg.clean_shm)
+        writers = (self.jsonl, self.tensorboard)
+        self._tasks = [asyncio.ensure_future(periodic.run(self.conns, self.traces, cfg.clean_shm, writers))]
         if self.relay is not None:
             self._tasks.append(asyncio.ensure_future(self.relay.run()))
         log.info("ms-monitor daemon: agents at %s, http at %s", self.agent_addrs, self.http_url)
@@ -182,24 +162,6 @@ class Daemon:
             os.unlink(self.config.unix)
         if self.token_file and self.token:
             auth.remove_token(self.token_file, self.token)
-
-    async def _tick(self) -> None:
-        last_flush = last_sweep = time.monotonic()
-        while True:
-            await asyncio.sleep(0.5)
-            try:
-                self._probe_clocks()
-                self.traces.tick()
-                if time.monotonic() - last_sweep > SHM_SWEEP:
-                    self._sweep_shm()
-                    last_sweep = time.monotonic()
-                if time.monotonic() - last_flush > 5:
-                    for w in (self.jsonl, self.tensorboard):
-                        if w is not None:
-                            w.flush()
-                    last_flush = time.monotonic()
-            except Exception:
-                log.exception("ms-monitor daemon: periodic work failed")
 
     # -- agent connections -----------------------------------------------------------------------
     def _refusal(self, hello: dict) -> str | None:
@@ -303,34 +265,12 @@ class Daemon:
             self.traces.on_tfile(msg)
         elif kind == "tdone":
             if conn.role == "relay":
-                self._relayed_clock(conn, msg)
+                self.clocks.observe_relayed(msg["rank"], list(conn.probes), msg)
             self.traces.on_tdone(msg)
-
-    def _sweep_shm(self) -> None:
-        if self.config.clean_shm:
-            try:
-                shm.clean_stale_segments()
-            except OSError as exc:  # no /proc, no /dev/shm: nothing to look after
-                log.debug("ms-monitor daemon: shared memory sweep: %s", exc)
-
-    def _probe_clocks(self) -> None:
-        """Send every connection a clock probe; the answers come back as ``pong`` (``clock.py``)."""
-        now = time.time()
-        for conn in self.conns:
-            if conn.clk:
-                conn.send({"t": "ping", "d": now})
-
-    def _relayed_clock(self, conn: Conn, msg: dict) -> None:
-        """A relayed rank's offset: the relay's against this daemon plus the rank's against the relay."""
-        hop = estimate(list(conn.probes))
-        if hop is None or "clk" not in msg:  # the relay did not measure the rank: unknown, not aligned
-            self.relayed_clocks.pop(msg["rank"], None)
-            return
-        self.relayed_clocks[msg["rank"]] = hop.plus(Offset(msg["clk"], msg.get("clke", 0.0), 1))
 
     def clock_offset(self, rank: int) -> Offset | None:
         """The rank's clock minus this daemon's, if probes measured it (directly or through a relay)."""
-        return self.relayed_clocks.get(rank) or self.clocks.offset(rank)
+        return self.clocks.aligned(rank)
 
     def _tell_refused(self, conn: Conn, refused: set[int]) -> None:
         """Tell a relay once that ranks of it are over the limit (their samples are dropped)."""

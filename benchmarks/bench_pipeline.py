@@ -1,7 +1,7 @@
 """ZeroBubbleV against 1F1B on 2 CPU ranks, ms-pipeline beside PyTorch's own pipelining, with the
 simulator's prediction from the measured costs.
 
-    python benchmarks/bench_pipeline.py [--hidden 256 --layers 8 --seq 128 --micro-batch 4
+    python benchmarks/bench_pipeline.py [--hidden 256 --layers 8 --seq 256 --micro-batch 4
         --microbatches 8] [--quick] --out benchmarks/results/pipeline.json
 
 One Llama-shaped decoder (ms-models, untied head) at a size where compute, not dispatch,
@@ -200,6 +200,8 @@ def _ms_row(name, args, per_rank, fallback=None):
         "simulator_error": abs(predicted.makespan - step) / step,
         "trace_makespan_s": statistics.median(x.makespan for x in measured),
         "measured_bubble": statistics.median(x.bubble_rate for x in measured),
+        # every step's trace obeys the schedule it ran (order, no overlap, dependencies)
+        "trace_problems": sum(len(mp.check_trace(mp.split_pairs(schedule), ev)) for ev in events),
         "predicted_bubble": predicted.bubble_rate,
         "f_ms": 1e3 * statistics.fmean(f),
         "b_ms": 1e3 * statistics.fmean(b),
@@ -288,7 +290,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
     parser.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
-    parser.add_argument("--seq", type=int, default=128, help="tokens per sample (default 128)")
+    parser.add_argument("--seq", type=int, default=256, help="tokens per sample (default 256)")
     parser.add_argument("--micro-batch", type=int, default=4, help="samples per microbatch (default 4)")
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
     parser.add_argument("--vocab", type=int, default=2048, help="vocabulary (default 2048)")
@@ -363,6 +365,7 @@ def main(argv=None) -> int:
         "torch_zbv_over_1f1b_paired": by["torch zbv"]["/1f1b_paired"],
         "simulator_error": max(r["simulator_error"] for r in rows if "simulator_error" in r),
         "ms_zbv_over_torch_zbv_step": by["zbv"]["step_s"] / by["torch zbv"]["step_s"],
+        "trace_problems": sum(r.get("trace_problems", 0) for r in rows + shaped_rows),
         **_pair_summary(by, ""),
         "load_avg_1m": machine["load_avg_1m"],
         "pinned": args.pin,

@@ -1,8 +1,10 @@
 """ParallelConfig against tables computed by hand in Megatron's order (tp fastest, pp slowest)."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from ms_layout import LayoutError, ParallelConfig, Role, optimizer_layout, param_placement, weight_layout
+from ms_layout import Layout, LayoutError, ParallelConfig, Role, optimizer_layout, param_placement, weight_layout
 from ms_layout.weights import layer_stages
 
 # 8 ranks, tp=2, pp=2, dp=2, order tp-cp-ep-dp-pp: rank = tp + 2*dp + 4*pp.
@@ -121,3 +123,60 @@ def test_world_size_checks():
         cfg.check_world_size(6)
     with pytest.raises(LayoutError, match="world size 6 is not a positive multiple of tp\\*cp\\*pp=4"):
         ParallelConfig.for_world(6, tp=2, pp=2)
+
+
+# ---------------------------------------------------------------- closed-form rank arithmetic
+# stage_ranks, the expert owner's ranks and the mesh agreement check slice the position grid with
+# numpy; the reference here walks every rank through Layout.coords, as they did before.
+_SIZES = st.sampled_from([1, 2, 3, 4])
+_ORDERS = st.sampled_from(
+    ["tp-cp-ep-dp-pp", "tp-ep-cp-dp-pp", "dp-tp-cp-ep-pp", "tp-cp-dp-ep-pp", "ep-tp-cp-dp-pp", "tp-cp-dp-pp-ep"]
+)  # the last two interleave ep with tp or pp: refused
+
+
+@st.composite
+def _configs(draw):
+    tp, cp, dp, pp = draw(_SIZES), draw(_SIZES), draw(_SIZES), draw(_SIZES)
+    ep = draw(st.sampled_from([d for d in range(1, dp * cp + 1) if dp * cp % d == 0]))
+    return dict(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, order=draw(_ORDERS))
+
+
+def _enumerated_error(sizes: dict) -> str | None:
+    """The first rank whose tp/pp coordinates differ between the meshes, by walking every rank."""
+    fastest = sizes["order"].split("-")
+    dense = Layout(*_mesh_of(fastest, "ep", sizes))
+    expert = Layout(*_mesh_of([("edp" if t == "dp" else t) for t in fastest], "cp", sizes))
+    for rank in range(dense.rank_count):
+        a, b = dense.coords(rank), expert.coords(rank)
+        for axis in ("tp", "pp"):
+            if a[axis] != b[axis]:
+                return f"rank {rank} {axis}={a[axis]} in the dense mesh but {axis}={b[axis]}"
+    return None
+
+
+def _mesh_of(fastest: list[str], drop: str, sizes: dict) -> tuple:
+    full = dict(sizes, edp=sizes["dp"] * sizes["cp"] // sizes["ep"])
+    names = tuple(reversed([t for t in fastest if t != drop]))
+    return tuple(full[n] for n in names), names
+
+
+@settings(max_examples=60, deadline=None)
+@given(_configs())
+def test_closed_form_ranks_equal_enumeration(sizes):
+    expected = _enumerated_error(sizes)
+    if expected is not None:
+        with pytest.raises(LayoutError) as info:
+            ParallelConfig(**sizes)
+        assert expected in str(info.value)
+        return
+    cfg = ParallelConfig(**sizes)
+    for stage in range(cfg.pp):
+        walked = tuple(r for r in range(cfg.world_size) if cfg.mesh.coords(r)["pp"] == stage)
+        assert cfg.stage_ranks(stage) == walked
+        assert cfg.stage_mesh(stage).ranks == walked
+        mesh = cfg.stage_mesh(stage, experts=True)
+        assert mesh.ranks == tuple(sorted(walked, key=cfg.expert_mesh.position))
+        layer = layer_stages(cfg.pp, cfg.pp).index(stage)
+        for expert in range(cfg.ep):  # one expert per ep rank: expert e belongs to ep rank e
+            got = param_placement(cfg, f"model.layers.{layer}.mlp.experts.{expert}.up_proj.weight", 2, cfg.pp, cfg.ep)
+            assert got.layout.ranks == tuple(r for r in mesh.ranks if mesh.coords(r)["ep"] == expert)

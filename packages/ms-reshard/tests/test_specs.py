@@ -17,26 +17,37 @@ def moe_shapes(layers=4, experts=8):
         for e in range(experts):
             shapes[f"{p}mlp.experts.{e}.up_proj.weight"] = (8, 16)
             shapes[f"{p}mlp.experts.{e}.down_proj.weight"] = (16, 8)
-    shapes["model.layers.4.eh_proj.weight"] = (16, 32)  # an MTP layer: numbered after the decoder
+    # an MTP layer, numbered after the decoder, with its own experts (DeepSeek-V3's layer 61)
+    shapes["model.layers.4.eh_proj.weight"] = (16, 32)
+    shapes["model.layers.4.shared_head.head.weight"] = (64, 16)
+    shapes.update({f"model.layers.4.mlp.experts.{e}.up_proj.weight": (8, 16) for e in range(experts)})
     return shapes
 
 
 @pytest.mark.parametrize(
-    "config",
+    "config, per_chunk",
     [
-        ParallelConfig(dp=4, tp=2, pp=2, ep=2),
-        ParallelConfig(dp=2, tp=1, pp=2, ep=2, vpp=2, optimizer_shard=True),
-        ParallelConfig(dp=2, cp=2, tp=2, ep=4, order="tp-ep-cp-dp-pp"),
+        (ParallelConfig(dp=4, tp=2, pp=2, ep=2), None),
+        (ParallelConfig(dp=2, tp=1, pp=2, ep=2, vpp=2, optimizer_shard=True), None),
+        (ParallelConfig(dp=2, cp=2, tp=2, ep=4, order="tp-ep-cp-dp-pp"), None),
+        (ParallelConfig(dp=4, tp=2, pp=4, ep=4, optimizer_shard=True), [0, 1, 1, 2]),  # stage 0: no layer
+        (ParallelConfig(dp=2, tp=2, pp=2, ep=2, vpp=2), [1, 0, 2, 1]),
     ],
 )
-def test_shifted_layouts_equal_direct_placements(config):
+def test_shifted_layouts_equal_direct_placements(config, per_chunk):
     shapes = moe_shapes()
-    specs = param_specs(shapes, config, num_layers=4, num_experts=8)
+    specs = param_specs(shapes, config, num_layers=4, num_experts=8, layers_per_chunk=per_chunk)
     for name, shape in shapes.items():
-        direct = param_placement(config, name, len(shape), 4, 8).layout
+        direct = param_placement(config, name, len(shape), 4, 8, per_chunk).layout
         if config.optimizer_shard:
             direct = stored_layout(direct, shape)
         assert specs[name].layout == direct, name
+
+
+def test_expert_numbers_past_the_model_are_named():
+    shapes = {"model.layers.0.mlp.experts.8.up_proj.weight": (8, 16)}
+    with pytest.raises(ReshardError, match="experts.8.*outside the model's 8 experts"):
+        param_specs(shapes, ParallelConfig(dp=2, ep=2), num_layers=1, num_experts=8)
 
 
 def test_unknown_names_are_named():

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import cache, cached_property
 
+import numpy as np
+
 from .errors import LayoutError
 from .layout import MAX_RANKS, Layout
 from .limits import Limit
@@ -109,15 +111,18 @@ class ParallelConfig:
 
     def _check_meshes_agree(self) -> None:
         # An order that interleaves ep with tp or pp would give a rank different tp/pp
-        # coordinates in the two meshes; Megatron rejects those too.
-        for rank in range(self.world_size):
-            dense, expert = self.mesh.coords(rank), self.expert_mesh.coords(rank)
-            for axis in ("tp", "pp"):
-                if dense[axis] != expert[axis]:
-                    raise LayoutError(
-                        f"order {self.order!r} gives rank {rank} {axis}={dense[axis]} in the dense mesh "
-                        f"but {axis}={expert[axis]} in the expert mesh; keep ep between tp and pp"
-                    )
+        # coordinates in the two meshes; Megatron rejects those too. Every rank's coordinates at
+        # once (both meshes number ranks row-major, without a rank_list): numpy, not a loop.
+        ranks = np.arange(self.world_size)
+        dense, expert = _axis_coords(self.mesh, ranks), _axis_coords(self.expert_mesh, ranks)
+        wrong = (dense["tp"] != expert["tp"]) | (dense["pp"] != expert["pp"])
+        if wrong.any():
+            rank = int(np.argmax(wrong))  # the first, as a loop over ranks finds it
+            axis = "tp" if dense["tp"][rank] != expert["tp"][rank] else "pp"
+            raise LayoutError(
+                f"order {self.order!r} gives rank {rank} {axis}={dense[axis][rank]} in the dense mesh "
+                f"but {axis}={expert[axis][rank]} in the expert mesh; keep ep between tp and pp"
+            )
 
     # ---------------------------------------------------------------- ranks and groups
     def coords(self, rank: int) -> dict[str, int]:
@@ -164,7 +169,7 @@ class ParallelConfig:
         """Ranks of one pipeline stage, in dense-mesh position order."""
         if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < self.pp:
             raise LayoutError(f"stage {stage!r} is outside 0..{self.pp - 1}")
-        return tuple(r for r in range(self.world_size) if self.mesh.coords(r)["pp"] == stage)
+        return ranks_where(self.mesh, "pp", stage)
 
     @cache  # noqa: B019
     def stage_mesh(self, stage: int = 0, experts: bool = False) -> Layout:
@@ -195,3 +200,18 @@ class ParallelConfig:
         if unknown:
             raise LayoutError(f"unknown ParallelConfig fields {sorted(unknown)}")
         return cls(**data)
+
+
+def _axis_coords(mesh: Layout, positions: np.ndarray) -> dict[str, np.ndarray]:
+    """The coordinate along every axis of each device-matrix position (row-major, last fastest)."""
+    return dict(zip(mesh.alias_names, np.unravel_index(positions, mesh.device_matrix)))
+
+
+def ranks_where(mesh: Layout, axis: str, coord: int) -> tuple[int, ...]:
+    """The ranks of `mesh` whose `axis` coordinate is `coord`, in device-matrix position order:
+    one slice of the position grid, without a coords() call per rank."""
+    grid = np.arange(mesh.rank_count).reshape(mesh.device_matrix)
+    positions = np.take(grid, coord, axis=mesh.alias_names.index(axis)).ravel()  # row-major: ascending
+    if mesh.rank_list is None:
+        return tuple(positions.tolist())
+    return tuple(np.asarray(mesh.rank_list)[positions].tolist())

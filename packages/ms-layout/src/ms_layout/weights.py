@@ -19,7 +19,7 @@ from functools import cache
 
 from .errors import LayoutError
 from .layout import Layout
-from .parallel_config import ParallelConfig
+from .parallel_config import ParallelConfig, ranks_where
 
 
 class Role(str, Enum):
@@ -182,7 +182,7 @@ def _owned_by_expert_rank(
 def _expert_owner_mesh(config: ParallelConfig, stage: int, owner: int) -> tuple[tuple, tuple, tuple]:
     mesh = config.stage_mesh(stage, experts=True)
     names = tuple(a for a in mesh.alias_names if a != "ep")
-    ranks = tuple(r for r in mesh.ranks if mesh.coords(r)["ep"] == owner)
+    ranks = ranks_where(mesh, "ep", owner)
     return tuple(mesh.axis_size(a) for a in names), names, ranks
 
 

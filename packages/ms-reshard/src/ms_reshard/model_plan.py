@@ -147,6 +147,20 @@ class ModelPlan:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True, eq=False)
+class _Seen:
+    """What PlanCache keeps per layout object it was given."""
+
+    layout: Layout
+    """The object (kept alive, so that its id stays its own)."""
+    first: Layout
+    """The first object given that equals it: exact keys use its id."""
+    form: tuple
+    """The layout without its ranks (_form)."""
+    ranks: np.ndarray
+    """Its ranks, int64, in device-matrix position order."""
+
+
 class PlanCache:
     """Plans by exact key, and by key up to an order-preserving relabeling of the ranks."""
 
@@ -155,33 +169,43 @@ class PlanCache:
         self.exact: dict[tuple, TensorPlan] = {}
         self.canonical: dict[tuple, TensorPlan] = {}
         self.computed = 0
-        # Whole-model planning asks ~45k times for ~200 plans; what makes a repeat cheap is not
-        # hashing 4096-rank layouts again: the layouts of one stage and owner are shared objects
-        # (specs.param_specs), so repeats are found by identity first (the value keeps them alive).
-        self._by_id: dict[tuple, tuple[Layout, Layout, TensorPlan]] = {}
-        self._seen_layouts: dict[int, Layout] = {}
-        self._seen_shapes: set[tuple] = set()
+        # Whole-model planning asks ~45k times for ~200 plans and ~4k relabelings of them; what
+        # makes a repeat cheap is not hashing, comparing or converting 4096-rank layouts again:
+        # each layout object is looked at once (_seen), and repeats are found by identity.
+        self._seen: dict[int, _Seen] = {}
+        self._equal: dict[Layout, Layout] = {}
+        self._checked: set[tuple] = set()
 
     def get(self, src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -> TensorPlan:
         """The plan for these layouts and shape, computed at most once per relabeling class."""
-        ident = (id(src), id(dst), shape, itemsize)
-        hit = self._by_id.get(ident)
-        if hit is not None and hit[0] is src and hit[1] is dst:
-            return hit[2]
-        result = self._get(src, dst, shape, itemsize)
-        self._by_id[ident] = (src, dst, result)
-        return result
-
-    def _get(self, src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -> TensorPlan:
-        key = (src, dst, shape, itemsize)
+        s, d = self._seen.get(id(src)), self._seen.get(id(dst))
+        if s is None or s.layout is not src:
+            s = self._see(src)
+        if d is None or d.layout is not dst:
+            d = self._see(dst)
+        key = (id(s.first), id(d.first), shape, itemsize)
         found = self.exact.get(key)
-        if found is not None:
-            return found
-        self._check(src, dst, shape, itemsize)
-        s_ranks, d_ranks = np.asarray(src.ranks, dtype=np.int64), np.asarray(dst.ranks, dtype=np.int64)
-        ranks = np.union1d(s_ranks, d_ranks)
-        src_ids, dst_ids = np.searchsorted(ranks, s_ranks), np.searchsorted(ranks, d_ranks)
-        ckey = (_form(src), _form(dst), shape, itemsize, src_ids.tobytes(), dst_ids.tobytes())
+        if found is None:
+            found = self.exact[key] = self._get(s, d, shape, itemsize)
+        return found
+
+    def _see(self, layout: Layout) -> _Seen:
+        if not isinstance(layout, Layout) or layout.dims is None:
+            _check_inputs(layout, layout, (), 1, None)  # raises the error naming it
+        first = self._equal.setdefault(layout, layout)
+        seen = self._seen[id(layout)] = _Seen(layout, first, _form(layout), np.asarray(layout.ranks, dtype=np.int64))
+        return seen
+
+    def _get(self, s: _Seen, d: _Seen, shape: tuple[int, ...], itemsize: int) -> TensorPlan:
+        src, dst = s.first, d.first
+        # planner._check_inputs once per (form, form, shape): whether a shape fits depends on the
+        # mesh and map, not on the ranks
+        if (s.form, d.form, shape, itemsize) not in self._checked:
+            _check_inputs(src, dst, shape, itemsize, self.mem_cap)
+            self._checked.add((s.form, d.form, shape, itemsize))
+        ranks = _union(s.ranks, d.ranks)
+        src_ids, dst_ids = np.searchsorted(ranks, s.ranks), np.searchsorted(ranks, d.ranks)
+        ckey = (s.form, d.form, shape, itemsize, src_ids.tobytes(), dst_ids.tobytes())
         core = self.canonical.get(ckey)
         if core is None:
             core = plan_ids(
@@ -189,20 +213,17 @@ class PlanCache:
             )
             self.canonical[ckey] = core
             self.computed += 1
-        same = (core.src is src or core.src == src) and (core.dst is dst or core.dst == dst)
-        result = core if same else core.relabel(src, dst, ranks)
-        self.exact[key] = result
-        return result
+        return core if core.src is src and core.dst is dst else core.relabel(src, dst, ranks)
 
-    def _check(self, src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -> None:
-        """planner._check_inputs, skipped when both layout objects and the shape were checked
-        before: whether a shape fits depends on the mesh and map, not on the ranks."""
-        seen = id(src) in self._seen_layouts and id(dst) in self._seen_layouts
-        if seen and (_form(src), _form(dst), shape, itemsize) in self._seen_shapes:
-            return
-        _check_inputs(src, dst, shape, itemsize, self.mem_cap)
-        self._seen_layouts[id(src)], self._seen_layouts[id(dst)] = src, dst
-        self._seen_shapes.add((_form(src), _form(dst), shape, itemsize))
+
+def _union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """np.union1d (sorted distinct values of both) without its generic wrappers."""
+    both = np.concatenate((a, b))
+    both.sort()
+    keep = np.empty(len(both), dtype=bool)
+    keep[:1] = True
+    np.not_equal(both[1:], both[:-1], out=keep[1:])
+    return both[keep]
 
 
 def _form(layout: Layout) -> tuple:
@@ -233,11 +254,22 @@ def model_plan(
     cache = cache or PlanCache(mem_cap, collectives)
     moves: list[PartMove] = []
     used: set[str] = set()
+    # param_specs gives one ParamSpec object per distinct spec, so a model of 45k names has a few
+    # thousand (source spec, target spec) pairs: each pair is planned once (src and dst keep the
+    # specs alive, so ids are theirs for this call)
+    pairs: dict[tuple[int, int], TensorPlan] = {}
     for name in sorted(dst):
         spec = dst[name]
-        if name in src:
-            moves += _same_name(cache, name, src[name], spec)
+        s = src.get(name)
+        if s is not None:
             used.add(name)
+            if not (s.parts or spec.parts):
+                found = pairs.get((id(s), id(spec)))
+                if found is None:
+                    found = pairs[id(s), id(spec)] = _move(cache, name, s, name, spec).plan
+                moves.append(_whole(name, found))
+                continue
+            moves += _same_name(cache, name, s, spec)
         elif (split := part_names(name, fusions)) and all(p in src for p in split[0]):
             moves += _gather_parts(cache, name, spec, split[0], split[1], src)
             used.update(split[0])
@@ -250,6 +282,14 @@ def model_plan(
     if unused and not allow_unused:
         raise ReshardError(f"{len(unused)} source parameters have no target, e.g. {list(unused[:5])}")
     return ModelPlan(dict(src), dict(dst), tuple(moves), unused)
+
+
+def _whole(name: str, plan: TensorPlan) -> PartMove:
+    """PartMove(name, name, 0, 0, 0, plan), without the frozen dataclass's per-field setattr (a
+    model has tens of thousands)."""
+    move = object.__new__(PartMove)
+    move.__dict__.update(src_name=name, dst_name=name, dim=0, src_offset=0, dst_offset=0, plan=plan)
+    return move
 
 
 def _same_name(cache, name: str, s: ParamSpec, d: ParamSpec) -> list[PartMove]:

@@ -12,7 +12,6 @@ A box is ``[ndim, 2]`` ints: the half-open ``[start, stop)`` range of every dim 
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -180,9 +179,10 @@ class TensorPlan:
 
     def relabel(self, src: Layout, dst: Layout, ranks: np.ndarray) -> TensorPlan:
         """The same plan for layouts whose ranks are an order-preserving relabeling of these."""
-        out = copy.copy(self)  # dataclasses.replace re-runs __init__; thousands of relabels add up
-        for name, value in (("src", src), ("dst", dst), ("ranks", ranks)):
-            object.__setattr__(out, name, value)
+        # dataclasses.replace re-runs __init__, copy.copy goes through __reduce_ex__: thousands of
+        # relabels add up
+        out = object.__new__(TensorPlan)
+        out.__dict__.update(self.__dict__, src=src, dst=dst, ranks=ranks)
         return out
 
     def transfers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

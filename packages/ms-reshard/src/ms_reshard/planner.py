@@ -26,6 +26,7 @@ to numpy's per-element work.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -93,14 +94,22 @@ def _check_inputs(
 
 
 def chunk_indices(layout: Layout) -> np.ndarray:
-    """[positions, ndim]: the chunk index of every device-matrix position along every tensor dim."""
-    sizes = layout.device_matrix
-    coords = np.unravel_index(np.arange(layout.rank_count), sizes)
-    out = np.zeros((layout.rank_count, layout.ndim), dtype=np.int64)
-    for d, axes in enumerate(layout.dims):
+    """[positions, ndim]: the chunk index of every device-matrix position along every tensor dim
+    (read-only: one array per mesh and tensor map, shared by every plan that asks)."""
+    layout.ndim  # noqa: B018 - raises the LayoutError for a layout without a tensor map
+    return _chunk_indices(layout.device_matrix, layout.alias_names, layout.dims)
+
+
+@functools.lru_cache(maxsize=1024)
+def _chunk_indices(sizes: tuple[int, ...], names: tuple[str, ...], dims: tuple[tuple[str, ...], ...]) -> np.ndarray:
+    count = math.prod(sizes)
+    coords = np.unravel_index(np.arange(count), sizes)
+    out = np.zeros((count, len(dims)), dtype=np.int64)
+    for d, axes in enumerate(dims):
         for axis in axes:  # first-named axis is the most significant digit (MindSpore's order)
-            a = layout.alias_names.index(axis)
+            a = names.index(axis)
             out[:, d] = out[:, d] * sizes[a] + coords[a]
+    out.setflags(write=False)
     return out
 
 

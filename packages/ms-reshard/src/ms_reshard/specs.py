@@ -7,13 +7,16 @@ style storage): ``stored_layout`` adds those axes, the rule of ``ms_layout.optim
 applied to the placed layout so that it also covers numbered experts, and skipped -- as MindSpore
 does -- when dim 0 does not divide.
 
-Placements are computed once per representative name -- the same parameter in pipeline stage 0
-and, for a numbered expert, owned by expert-parallel rank 0 -- and moved to the real stage and
-owner by shifting the ranks: a ParallelConfig's meshes number ranks row-major over all their axes,
-so the ranks of stage s are those of stage 0 plus s * stride(pp), in the same order, and likewise
-for the ep coordinate. (Each ``param_placement`` call walks every rank of the job in Python, about
-60 ms at 1024 ranks, so calling it for each of DeepSeek-V3's 45k parameters is not an option;
-tests/test_specs.py checks the shift against direct calls.)
+The work is proportional to the parameters' distinct kinds, not to ranks x parameters. A name is
+parsed once into a template (its layer and expert numbers taken out), its stage and its expert
+owner. Per template, one representative -- the same parameter in the first layer of pipeline stage
+0 and expert 0 -- gives the kind (role, ndim, numbered expert: all param_placement's rule looks at
+inside a decoder layer, MTP layers included), and ``param_placement`` is called once per kind. The
+layout of every (kind, stage, owner) is that placement with its ranks shifted: a ParallelConfig's
+meshes number ranks row-major over all their axes, so the ranks of stage s are those of stage 0
+plus s * stride(pp), in the same order, and likewise for the ep coordinate (tests/test_specs.py
+checks the shift against direct calls). Equal specs are one object, so PlanCache finds repeats by
+identity.
 """
 
 from __future__ import annotations
@@ -51,38 +54,117 @@ def _strides(mesh: Layout) -> dict[str, int]:
     return out
 
 
-def _representative(name: str, stages: list[int], num_layers: int, per_owner: int | None) -> tuple[str, int, int]:
-    """(the name moved to stage 0 and expert owner 0, its stage, its owner)."""
-    stage = owner = 0
-    m = _LAYER.search(name)
-    if m and int(m.group(2)) < num_layers and 0 in stages:
-        stage = stages[int(m.group(2))]
-        name = f"{name[: m.start(2)]}{stages.index(0)}{name[m.end(2) :]}"
-    e = _EXPERT.search(name)
-    if e and per_owner:
-        owner = int(e.group(1)) // per_owner
-        name = f"{name[: e.start(1)]}{int(e.group(1)) % per_owner}{name[e.end(1) :]}"
-    return name, stage, owner
-
-
-def _kind(rep: str, ndim: int, num_layers: int) -> tuple:
-    """What a stage-0 representative's layout depends on: inside a decoder layer only the role, the
-    ndim and whether it is a numbered expert (param_placement's rule); elsewhere the name itself."""
-    m = _LAYER.search(rep)
-    if not m or int(m.group(2)) >= num_layers:
-        return (rep, ndim)
-    try:
-        role = role_of(rep)
-    except LayoutError:
-        return (rep, ndim)  # param_placement raises the error with the name
-    return (role, ndim, bool(_EXPERT.search(rep)))
-
-
 def _shifted(layout: Layout, shift: int) -> Layout:
     if not shift:
         return layout
     ranks = tuple(r + shift for r in layout.ranks)
     return Layout(layout.device_matrix, layout.alias_names, layout.dims, ranks)
+
+
+class _Placer:
+    """The layouts of one config, computed once per kind and shifted per (stage, owner)."""
+
+    def __init__(self, config: ParallelConfig, num_layers: int, num_experts, layers_per_chunk) -> None:
+        self.config, self.num_layers, self.num_experts = config, num_layers, num_experts
+        self.layers_per_chunk = layers_per_chunk
+        try:
+            self.stages = layer_stages(num_layers, config.pp, config.vpp, layers_per_chunk)
+        except LayoutError as exc:
+            raise ReshardError(str(exc)) from None
+        # the layer a representative is moved to; None when stage 0 holds no decoder layer
+        self.stage0_layer = self.stages.index(0) if 0 in self.stages else None
+        divides = num_experts and num_experts % config.ep == 0
+        self.per_owner = num_experts // config.ep if divides else None
+        self.pp_stride = _strides(config.mesh)["pp"]
+        self.ep_stride = _strides(config.expert_mesh)["ep"]
+        self.kinds: dict[tuple, int] = {}  # kind -> a small int naming it
+        self.templates: dict[tuple[str, int], int] = {}  # (template, ndim) -> kind
+        self.placed: list[Layout] = []  # per kind, its layout at stage 0, owner 0
+        self.layouts: dict[tuple[int, int, int], Layout] = {}  # (kind, stage, owner) -> layout
+        self.interned: dict[Layout, Layout] = {}  # one object per distinct layout
+        self.experts: dict[tuple[str, str, int], tuple[int, int]] = {}  # (head, tail, ndim) -> kind, stage
+
+    def layout(self, name: str, ndim: int) -> Layout:
+        """The layout param_placement gives `name`, from the caches."""
+        if self.per_owner:
+            # Most names of a MoE model are numbered experts: "<head>.experts.<e>.<tail>". All but
+            # the owner depends on (head, tail) alone -- the number is the first match of _EXPERT,
+            # and no other pattern can reach into it -- so those are parsed once per (head, tail).
+            head, _, rest = name.partition(".experts.")
+            number, dot, tail = rest.partition(".")
+            if dot and number.isdecimal():  # \d is a decimal digit, as isdecimal
+                key = (head, tail, ndim)
+                found = self.experts.get(key)
+                if found is None:
+                    found = self.experts[key] = self._parse(name, ndim)[:2]
+                return self._at(found[0], found[1], self._owner(int(number)))
+        return self._at(*self._parse(name, ndim))
+
+    def _owner(self, expert: int) -> int:
+        if expert >= self.num_experts:
+            raise ReshardError(f"expert {expert} is outside the model's {self.num_experts} experts")
+        return expert // self.per_owner
+
+    def _parse(self, name: str, ndim: int) -> tuple[int, int, int]:
+        """(kind, stage, owner) of a name."""
+        layer = _LAYER.search(name) if "layers." in name else None
+        expert = _EXPERT.search(name) if ".experts." in name else None
+        stage = owner = 0
+        rep_layer = rep_expert = None
+        if layer is not None and self.stage0_layer is not None:
+            index = int(layer.group(2))
+            # MTP layers are numbered after the decoder layers and sit on the last stage (param_placement)
+            stage = self.stages[index] if index < self.num_layers else self.config.pp - 1
+            rep_layer = layer.span(2)
+        if expert is not None and self.per_owner:
+            owner = self._owner(int(expert.group(1)))
+            rep_expert = expert.span(1)
+        numbered = rep_layer is not None or rep_expert is not None
+        key = (_replace(name, rep_layer, rep_expert, "#", "#") if numbered else name, ndim)
+        kind = self.templates.get(key)
+        if kind is None:
+            rep = _replace(name, rep_layer, rep_expert, str(self.stage0_layer), "0") if numbered else name
+            kind = self.templates[key] = self._kind(rep, ndim, rep_layer is not None)
+        return kind, stage, owner
+
+    def _kind(self, rep: str, ndim: int, in_layer: bool) -> int:
+        """The kind of a representative (a stage 0 / owner 0 name), placing it once per kind: inside
+        a decoder layer only the role, the ndim and whether it is a numbered expert matter
+        (param_placement's rule); elsewhere the name itself."""
+        kind: tuple = (rep, ndim)
+        if in_layer:
+            try:
+                kind = (role_of(rep), ndim, bool(_EXPERT.search(rep)))
+            except LayoutError:
+                pass  # param_placement raises the error with the name
+        if kind not in self.kinds:
+            try:
+                c = self.config
+                placed = param_placement(c, rep, ndim, self.num_layers, self.num_experts, self.layers_per_chunk)
+            except LayoutError as exc:
+                raise ReshardError(str(exc)) from None
+            self.kinds[kind] = len(self.placed)
+            self.placed.append(placed.layout)
+        return self.kinds[kind]
+
+    def _at(self, kind: int, stage: int, owner: int) -> Layout:
+        """The layout of a kind on a stage and expert owner: the placement's ranks shifted."""
+        key = (kind, stage, owner)
+        found = self.layouts.get(key)
+        if found is None:
+            found = _shifted(self.placed[kind], stage * self.pp_stride + owner * self.ep_stride)
+            found = self.layouts[key] = self.interned.setdefault(found, found)
+        return found
+
+
+def _replace(name: str, layer, expert, layer_text: str, expert_text: str) -> str:
+    """`name` with the layer-number span and the expert-number span (either may be None) replaced."""
+    if layer is None:
+        return f"{name[: expert[0]]}{expert_text}{name[expert[1] :]}"
+    if expert is None:
+        return f"{name[: layer[0]]}{layer_text}{name[layer[1] :]}"
+    (a, b, text_a), (c, d, text_b) = sorted(((*layer, layer_text), (*expert, expert_text)))
+    return f"{name[:a]}{text_a}{name[b:c]}{text_b}{name[d:]}"
 
 
 def param_specs(
@@ -99,38 +181,23 @@ def param_specs(
     (an inference side with qkv_proj); `optimizer_sharded` defaults to config.optimizer_shard."""
     fused = fuse_shapes(shapes, fusions)
     sharded = config.optimizer_shard if optimizer_sharded is None else optimizer_sharded
-    try:
-        stages = layer_stages(num_layers, config.pp, config.vpp, layers_per_chunk)
-    except LayoutError as exc:
-        raise ReshardError(str(exc)) from None
-    per_owner = num_experts // config.ep if num_experts and num_experts % config.ep == 0 else None
-    pp_stride = _strides(config.mesh)["pp"]
-    ep_stride = _strides(config.expert_mesh)["ep"]
-    placed: dict[tuple, Layout] = {}
-    shifted: dict[tuple[str, int, int, int], Layout] = {}
-    stored: dict[tuple[Layout, int], Layout] = {}
-    interned: dict[Layout, Layout] = {}
+    placer = _Placer(config, num_layers, num_experts, layers_per_chunk)
+    stored: dict[tuple[int, int], Layout] = {}
+    specs: dict[tuple, ParamSpec] = {}  # one ParamSpec per distinct (layout, shape, parts)
     out = {}
     for name, (shape, parts, part_dim) in fused.items():
-        rep, stage, owner = _representative(name, stages, num_layers, per_owner)
-        key = (rep, len(shape), stage, owner)
-        layout = shifted.get(key)
-        if layout is None:
-            kind = _kind(rep, len(shape), num_layers)
-            base = placed.get(kind)
-            if base is None:
-                try:
-                    base = param_placement(config, rep, len(shape), num_layers, num_experts, layers_per_chunk).layout
-                except LayoutError as exc:
-                    raise ReshardError(f"parameter {name!r}: {exc}") from None
-                placed[kind] = base
-            layout = _shifted(base, stage * pp_stride + owner * ep_stride)
-            # one object per distinct layout: PlanCache then finds repeats by identity
-            layout = shifted[key] = interned.setdefault(layout, layout)
-        if sharded and shape:
-            skey = (layout, shape[0])
-            if skey not in stored:
-                stored[skey] = stored_layout(layout, shape)
-            layout = stored[skey]
-        out[name] = ParamSpec(layout, tuple(shape), dtype, parts, part_dim)
+        try:
+            layout = placer.layout(name, len(shape))
+        except ReshardError as exc:
+            raise ReshardError(f"parameter {name!r}: {exc}") from None
+        key = (id(layout), shape, parts, part_dim)  # placer keeps the layouts alive
+        spec = specs.get(key)
+        if spec is None:
+            if sharded and shape:  # one stored layout object per (layout, dim 0), as for the layouts
+                skey = (id(layout), shape[0])
+                if skey not in stored:
+                    stored[skey] = stored_layout(layout, shape)
+                layout = stored[skey]
+            spec = specs[key] = ParamSpec(layout, tuple(shape), dtype, parts, part_dim)
+        out[name] = spec
     return out

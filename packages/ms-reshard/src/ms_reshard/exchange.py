@@ -135,9 +135,10 @@ def _static(plan: TensorPlan, me: int, in_src: bool, in_dst: bool) -> tuple:
 
 
 DIRECT_BYTES = 256 << 10
-"""Boxes from this size on that are one contiguous block of both shards travel as their own message,
-sent from and received into the shards themselves (no pack, no unpack); smaller ones share the
-per-peer message, where one copy costs less than one more message."""
+"""Boxes from this size on that are one contiguous block of the source shard or of the target shard
+travel as their own message: sent straight from the source shard where it is contiguous there, and
+received straight into the target shard where it is contiguous there (no pack, no unpack on that
+side); smaller ones share the per-peer message, where one copy costs less than one more message."""
 
 
 def _direct(shards: tuple, box, itemsize: int) -> bool:
@@ -146,7 +147,7 @@ def _direct(shards: tuple, box, itemsize: int) -> bool:
     extent = [b - a for a, b in box]
     if math.prod(extent) * itemsize < DIRECT_BYTES:
         return False
-    return all(_contiguous(extent, shape) for shape in shards)
+    return any(_contiguous(extent, shape) for shape in shards)
 
 
 def _contiguous(extent: list[int], shape: tuple[int, ...]) -> bool:
@@ -226,24 +227,42 @@ def _exchange(group, sends: list, recvs: list, copies: list = ()) -> None:
     """Send and receive a round's boxes with at most one shared message per peer and direction.
 
     Both ends list the boxes between them in the same order (the plan's). Big boxes that are one
-    contiguous block of both shards (`_direct`) travel as their own messages, straight from the
-    source shard into the target shard; the sender packs the others for a peer into one buffer
-    and the receiver unpacks it straight into its target views: at most one copy on each side,
-    and one shared message per pair however many small pieces it moves. Messages between a pair
-    are posted in the same order on both ends (the shared one first), which is how they match.
-    The local copies run between posting the messages and waiting for them, behind the transfer."""
+    contiguous block of either shard (`_direct`) travel as their own messages: sent straight from
+    the source shard when they are contiguous there, received straight into the target shard when
+    they are contiguous there. The sender packs the other boxes for a peer into one buffer and the
+    receiver unpacks it straight into its target views: at most one copy on each side, and one
+    shared message per pair however many small pieces it moves. Between a pair, the own messages
+    go first and the shared one last, on both ends: that order is how they match. Receives are
+    listed before sends in the one batch (one batch per round: a backend whose batches run in
+    stream order would deadlock on a batch of receives waiting for sends queued behind it). The
+    local copies -- straight from the source shard into the target shard, no buffer -- run
+    between posting the messages and waiting for them, behind the transfer."""
     if not sends and not recvs:
         for target, source in copies:
             target[...] = source
         return
     from ms_layout.comm import P2POp
 
-    by_peer: dict[int, list] = {}
-    for peer, view, direct in sends:
-        by_peer.setdefault(peer, []).append((view, direct))
     ops, unpacks = [], []
+    by_peer: dict[int, list] = {}
+    for peer, target, dtype, direct in recvs:
+        by_peer.setdefault(peer, []).append((target, dtype, direct))
     for peer, items in by_peer.items():
         rank = _local(group, peer)
+        for target, dtype, direct in items:
+            if direct:
+                ops.append(_receive([(target, dtype)], rank, unpacks))
+        packed = [(t, d) for t, d, direct in items if not direct]
+        if sum(t.size * d.itemsize for t, d in packed):
+            ops.append(_receive(packed, rank, unpacks))
+    by_peer = {}
+    for peer, view, direct in sends:
+        by_peer.setdefault(peer, []).append((view, direct))
+    for peer, items in by_peer.items():
+        rank = _local(group, peer)
+        for v, direct in items:
+            if direct:  # a view strided in the source shard (or a caller's strided array): one copy
+                ops.append(P2POp("send", wire(np.ascontiguousarray(v).reshape(-1)), rank))
         packed = [v for v, direct in items if not direct]
         if len(packed) == 1 and packed[0].flags.c_contiguous:
             message = wire(packed[0].reshape(-1))
@@ -255,33 +274,6 @@ def _exchange(group, sends: list, recvs: list, copies: list = ()) -> None:
                 offset += v.nbytes
         if message.nbytes:
             ops.append(P2POp("send", message, rank))
-        for v, direct in items:
-            if direct:  # contiguous in the plan's shard; a caller's strided array still needs a copy
-                ops.append(P2POp("send", wire(np.ascontiguousarray(v).reshape(-1)), rank))
-    by_peer = {}
-    for peer, target, dtype, direct in recvs:
-        by_peer.setdefault(peer, []).append((target, dtype, direct))
-    for peer, items in by_peer.items():
-        rank = _local(group, peer)
-        packed = [(t, d) for t, d, direct in items if not direct]
-        nbytes = sum(t.size * d.itemsize for t, d in packed)
-        if nbytes:
-            target, dtype = packed[0]
-            if len(packed) == 1 and target.dtype == dtype and target.flags.c_contiguous:
-                ops.append(P2POp("recv", wire(target.reshape(-1)), rank))  # straight into the shard
-            else:
-                message = np.empty(nbytes, np.uint8)
-                ops.append(P2POp("recv", message, rank))
-                unpacks.append((message, packed))
-        for target, dtype, direct in items:
-            if not direct:
-                continue
-            if target.dtype == dtype and target.flags.c_contiguous:
-                ops.append(P2POp("recv", wire(target.reshape(-1)), rank))
-            else:
-                message = np.empty(target.size * dtype.itemsize, np.uint8)
-                ops.append(P2POp("recv", message, rank))
-                unpacks.append((message, [(target, dtype)]))
     works = group.batch_isend_irecv(ops)
     for target, source in copies:
         target[...] = source
@@ -293,3 +285,17 @@ def _exchange(group, sends: list, recvs: list, copies: list = ()) -> None:
             n = target.size * dtype.itemsize
             target[...] = message[offset : offset + n].view(dtype).reshape(target.shape)  # cast on arrival
             offset += n
+
+
+def _receive(targets: list, rank: int, unpacks: list):
+    """The receive of one message holding `targets` (views, each with its dtype on the wire) in
+    order: straight into the target when it is one C-contiguous view of that dtype, else into a
+    buffer unpacked after the wait."""
+    from ms_layout.comm import P2POp
+
+    target, dtype = targets[0]
+    if len(targets) == 1 and target.dtype == dtype and target.flags.c_contiguous:
+        return P2POp("recv", wire(target.reshape(-1)), rank)
+    message = np.empty(sum(t.size * d.itemsize for t, d in targets), np.uint8)
+    unpacks.append((message, targets))
+    return P2POp("recv", message, rank)

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch, pytest.mark.
 
 # the shipped defaults otherwise (8 prompts x 8 samples): with fewer, every group of an untrained
 # policy can score alike, which leaves zero advantages and weights that do not move
-CONFIG = dict(jit=True, seed=0, steps=2, optimizer_shard=True)
+CONFIG = {"jit": True, "seed": 0, "steps": 2, "parallel": {"optimizer_shard": True}}
 
 
 def _rank(group, config: dict) -> dict:
@@ -23,7 +23,7 @@ def _rank(group, config: dict) -> dict:
     from ms_rlhf import GRPOTrainer, TrainConfig
 
     ms.set_device("CPU")
-    trainer = GRPOTrainer(TrainConfig(**config), group)
+    trainer = GRPOTrainer(TrainConfig.from_dict(config), group)
     initial = {n: p.asnumpy().copy() for n, p in trainer.engine.weight_targets().items()}
     for _ in range(config["steps"]):
         trainer.step()

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch, pytest.mark.
 
 STEPS = 2
 # the shipped 8 prompts x 8 samples: enough groups with mixed rewards that the weights move
-CONFIG = dict(jit=True, seed=0, steps=STEPS, rollout_engine="vllm", optimizer_shard=True)
+CONFIG = {"jit": True, "seed": 0, "steps": STEPS, "rollout": {"engine": "vllm"}, "parallel": {"optimizer_shard": True}}
 # vLLM's engine core stays in the rank's process: one MindSpore runtime per process (ms-vllm's tests do the same)
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
 
@@ -32,7 +32,7 @@ def _rank(group, config: dict) -> dict:
     from ms_rlhf import GRPOTrainer, TrainConfig, VllmEngine
 
     ms.set_device("CPU")
-    trainer = GRPOTrainer(TrainConfig(**config), group)
+    trainer = GRPOTrainer(TrainConfig.from_dict(config), group)
     engine = "VllmEngine" if isinstance(trainer.engine, VllmEngine) else type(trainer.engine).__name__
     served = trainer.engine.weight_targets()
     initial = {n: p.asnumpy().copy() for n, p in served.items()}

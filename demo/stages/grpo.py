@@ -1,8 +1,8 @@
 """Stage 5: GRPO with uniform sampling and dynamic packing (ms-rlhf), interrupted and resumed.
 
 ms-rlhf's trainer runs its shipped verifiable task ("add": the policy learns to answer a + b)
-with rollouts spread uniformly over its DP inference instances (``rollout_strategy="uniform"``)
-and samples packed into as few rows as fit (``packing=True``). Three runs of the same config:
+with rollouts spread uniformly over its DP inference instances (``rollout.strategy="uniform"``)
+and samples packed into as few rows as fit (``packing.enabled=True``). Three runs of the same config:
 
 1. uninterrupted, ``steps`` steps;
 2. interrupted: the same config stopped after ``stop_after`` steps, leaving its checkpoint (as a
@@ -49,14 +49,17 @@ def _train_config(config: GrpoConfig, checkpoint_dir: Path | None):
 
     return ms_rlhf.TrainConfig(
         steps=config.steps,
-        prompts_per_step=config.prompts_per_step,
-        samples_per_prompt=config.samples_per_prompt,
-        rollout_instances=config.rollout_instances,
-        rollout_strategy="uniform",
-        packing=True,
         jit=config.jit,
-        checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
-        checkpoint_every=1 if checkpoint_dir else 0,
+        rollout=ms_rlhf.RolloutConfig(
+            prompts_per_step=config.prompts_per_step,
+            samples_per_prompt=config.samples_per_prompt,
+            instances=config.rollout_instances,
+            strategy="uniform",
+        ),
+        packing=ms_rlhf.PackingConfig(enabled=True),
+        checkpoint=ms_rlhf.CheckpointConfig(
+            dir=str(checkpoint_dir) if checkpoint_dir else None, every=1 if checkpoint_dir else 0
+        ),
     )
 
 

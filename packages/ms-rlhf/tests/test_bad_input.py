@@ -22,7 +22,8 @@ import ms_layout
 from ms_layout import files
 from ms_layout.errors import LayoutError
 from ms_rlhf import Assignment, CheckpointError, PackingError, PackPlan, RLHFError, TrainConfig, checkpoint
-from ms_rlhf.config import load_config
+from ms_rlhf.config import SECTIONS, load_config
+from ms_rlhf.config_keys import FLAT_KEYS
 from ms_rlhf.runtime.group import SingleProcessGroup
 
 GROUP = SingleProcessGroup()
@@ -334,7 +335,9 @@ def test_fuzz_msgpack_blobs(blob, kind):
 
 # ---------------------------------------------------------------------------------------- configs
 @FUZZ
-@given(data=st.dictionaries(st.sampled_from(sorted(TrainConfig().to_dict())), JSON, max_size=4))
+@given(
+    data=st.dictionaries(st.sampled_from(sorted({*TrainConfig().dotted(), *FLAT_KEYS, *SECTIONS})), JSON, max_size=4)
+)
 def test_fuzz_config_fields(data):
     try:
         TrainConfig.from_dict(data)
@@ -385,14 +388,24 @@ CLI_CASES = [
     (["train", "--config", "{cfg}"], b" " * 2048, {"MS_RLHF_MAX_CONFIG_BYTES": "1024"},
      "config '{cfg}' is over the limit of 1024 bytes (raise it with MS_RLHF_MAX_CONFIG_BYTES=N)"),
     (["train", "--config", "{cfg}"], {"stepz": 2}, {},
-     f"unknown config keys ['stepz']; known keys: {sorted(TrainConfig().to_dict())}"),
-    (["train", "--config", "{cfg}"], {"lr": "fast"}, {}, "config lr='fast': expected a finite number > 0"),
-    (["train", "--config", "{cfg}"], {"lr": None}, {}, "config lr=None: expected a finite number > 0"),
+     f"unknown config keys ['stepz']; known keys: {sorted(TrainConfig().dotted())} (or a section's keys under its "
+     "name, or the flat names of earlier configs)"),
+    (["train", "--config", "{cfg}"], {"optimizer": {"lr": 1, "lrr": 2}}, {},
+     f"unknown config keys ['optimizer.lrr']; known keys: {sorted(TrainConfig().dotted())} (or a section's keys "
+     "under its name, or the flat names of earlier configs)"),
+    (["train", "--config", "{cfg}"], {"lr": 0.1, "optimizer": {"lr": 0.2}}, {},
+     "config optimizer.lr is given twice: as 'lr' and in the optimizer section"),
+    (["train", "--config", "{cfg}"], {"rollout": 8}, {}, "config rollout=8: expected an object of rollout keys "
+     "['block_size', 'engine', 'instances', 'max_new_tokens', 'mode', 'prompts_per_step', 'samples_per_prompt', "
+     "'strategy', 'temperature']"),
+    (["train", "--config", "{cfg}"], {"lr": "fast"}, {}, "config optimizer.lr='fast': expected a finite number > 0"),
+    (["train", "--config", "{cfg}"], {"optimizer": {"lr": None}}, {},
+     "config optimizer.lr=None: expected a finite number > 0"),
     (["train", "--config", "{cfg}"], {"steps": -3}, {}, "config steps=-3: expected a positive int"),
     (["train", "--config", "{cfg}"], {"steps": 2.5}, {}, "config steps=2.5: expected a positive int"),
     (["train", "--config", "{cfg}"], {"jit": "yes"}, {}, "config jit='yes': expected true or false"),
-    (["train", "--config", "{cfg}"], {"checkpoint_dir": 5}, {}, "config checkpoint_dir=5: expected a path or null"),
-    (["train", "--config", "{cfg}"], {"task_params": "x"}, {}, "config task_params='x': expected an object"),
+    (["train", "--config", "{cfg}"], {"checkpoint_dir": 5}, {}, "config checkpoint.dir=5: expected a path or null"),
+    (["train", "--config", "{cfg}"], {"task": {"params": "x"}}, {}, "config task.params='x': expected an object"),
     (["train", "--config", "{cfg}"], {"task": ["add"]}, {},
      "unknown task ['add']; expected one of ['add', 'reverse']"),
     (["train", "--config", "{cfg}"], {"task_params": {"max_operand": "9"}}, {},
@@ -401,11 +414,11 @@ CLI_CASES = [
      "reverse task max_len = 1000000000 is over the limit of 4096 characters per task string (raise it with "
      "MS_RLHF_MAX_TASK_LEN=N)"),
     (["train", "--config", "{cfg}"], {"dataset_size": 10**12}, {},
-     "config dataset_size = 1000000000000 is over the limit of 1048576 prompts in the dataset (raise it with "
+     "config task.dataset_size = 1000000000000 is over the limit of 1048576 prompts in the dataset (raise it with "
      "MS_RLHF_MAX_DATASET_SIZE=N)"),
-    (["train", "--config", "{cfg}"], {"prompts_per_step": 100_000, "samples_per_prompt": 100}, {},
-     "config prompts_per_step * samples_per_prompt = 10000000 is over the limit of 262144 samples per rollout "
-     "(raise it with MS_RLHF_MAX_ROLLOUT_SAMPLES=N)"),
+    (["train", "--config", "{cfg}"], {"rollout": {"prompts_per_step": 100_000, "samples_per_prompt": 100}}, {},
+     "config rollout.prompts_per_step * rollout.samples_per_prompt = 10000000 is over the limit of 262144 samples per "
+     "rollout (raise it with MS_RLHF_MAX_ROLLOUT_SAMPLES=N)"),
     (["train", "--config", "{cfg}"], {"model": {"hidden_size": 10**9}}, {},
      "config model.hidden_size = 1000000000 is over the limit of 65536 for one model size field (raise it with "
      "MS_RLHF_MAX_MODEL_DIM=N)"),
@@ -413,6 +426,8 @@ CLI_CASES = [
      "fields"),
     (["train", "--config", "{cfg}", "--set", "steps"], {}, {}, "--set 'steps': expected KEY=VALUE"),
     (["train", "--config", "{cfg}", "--set", "steps=-1"], {}, {}, "config steps=-1: expected a positive int"),
+    (["train", "--config", "{cfg}", "--set", "optimizer.lr=0"], {"optimizer": {"lr": 1}}, {},
+     "config optimizer.lr=0: expected a finite number > 0"),
     (["train", "--config", "{cfg}", "--nprocs", "0"], {}, {}, "--nprocs 0: expected a positive number of local ranks"),
     (["train", "--config", "{cfg}", "--nprocs", "100000"], {}, {},
      "--nprocs = 100000 is over the limit of 64 local ranks (raise it with MS_RLHF_MAX_NPROCS=N)"),

@@ -56,7 +56,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path):
 
 
 def _two_rank_save_and_resume(group, root):
-    from ms_rlhf import TrainConfig
+    from ms_rlhf import CheckpointConfig, TrainConfig
     from ms_rlhf.runtime.run import _resume_path
 
     for step, value in ((4, 1.0), (4, 2.0), (5, 3.0)):  # (4, 2.0): the re-save of a step
@@ -66,7 +66,7 @@ def _two_rank_save_and_resume(group, root):
         with open(os.path.join(root, "step_000005", checkpoint.rank_file(1)), "r+b") as f:
             f.write(b"X")
     group.barrier()
-    path, skipped = _resume_path(TrainConfig(checkpoint_dir=str(root)), "auto", group)
+    path, skipped = _resume_path(TrainConfig(checkpoint=CheckpointConfig(dir=str(root))), "auto", group)
     arrays, state = checkpoint.load(path, group.rank, group.size)
     return path, [s["checkpoint"] for s in skipped], arrays["w"].tolist(), state
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import CONFIG
+from conftest import CONFIG, flatten_checkpoint_config
 from test_resume import cli
 
 pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch]
@@ -78,14 +78,16 @@ def test_kill_9_then_resume_on_another_world_size(tmp_path, reference_run, first
 
     ckpt = tmp_path / "ckpt"
     config = tmp_path / "run.json"
-    base = {**CONFIG, "steps": STEPS, "checkpoint_dir": str(ckpt), "checkpoint_every": 1}
-    config.write_text(json.dumps({**base, "optimizer_shard": first[1]}))
+    base = {**CONFIG, "steps": STEPS, "checkpoint": {"dir": str(ckpt), "every": 1}}
+    config.write_text(json.dumps({**base, "parallel": {"optimizer_shard": first[1]}}))
     killed_at = _kill_at(cli(config, "--nprocs", str(first[0])), ckpt, 2, tmp_path / "killed.log")
     assert checkpoint_world(ckpt / f"step_{killed_at:06d}") == first[0]
     if first[0] == 2:
         _damaged_copy_is_refused(ckpt / f"step_{killed_at:06d}", tmp_path / "damaged", then)
+        # an earlier version's checkpoint: its stored config flat, the layout read from it all the same
+        flatten_checkpoint_config(ckpt / f"step_{killed_at:06d}")
 
-    extra = ("--nprocs", str(then[0]), "--set", f"optimizer_shard={str(then[1]).lower()}")
+    extra = ("--nprocs", str(then[0]), "--set", f"parallel.optimizer_shard={str(then[1]).lower()}")
     out = subprocess.run(cli(config, "--resume", "auto", "--json", *extra), capture_output=True, text=True,
                          timeout=900)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -119,7 +121,7 @@ def _damaged_copy_is_refused(good, damaged, then) -> None:
     data[-1] ^= 0xFF
     target.write_bytes(bytes(data))
     before = {p.name: p.read_bytes() for p in good.iterdir()}
-    trainer = GRPOTrainer(TrainConfig(**{**CONFIG, "optimizer_shard": then[1]}))
+    trainer = GRPOTrainer(TrainConfig.from_dict({**CONFIG, "parallel.optimizer_shard": then[1]}))
     with pytest.raises(CheckpointError, match="rank_00001.safetensors"):
         trainer.load_checkpoint(str(damaged))
     assert {p.name: p.read_bytes() for p in good.iterdir()} == before

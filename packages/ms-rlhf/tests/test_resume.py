@@ -1,5 +1,6 @@
 """kill -9 the trainer in the middle of a run, restart it with --resume, and the losses and the
-final weights equal an uninterrupted run's bit for bit.
+final weights equal an uninterrupted run's bit for bit -- with the config file and the checkpoint's
+stored config in the flat form of earlier versions (nested is what this version writes).
 
 The uninterrupted run is the session's reference run (conftest.py, in this process); the
 interrupted and resumed runs are `ms-rlhf train` processes. Rollout sampling is keyed by
@@ -17,7 +18,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import CONFIG
+from conftest import CONFIG, OLD_FLAT_DEFAULTS, flatten_checkpoint_config
 
 pytestmark = pytest.mark.needs_mindspore
 
@@ -33,6 +34,7 @@ def test_kill_9_then_resume_is_bit_exact(tmp_path, reference_run):
 
     ckpt = tmp_path / "ckpt"
     config = tmp_path / "run.json"
+    # a config file as users of earlier versions wrote it: flat keys
     config.write_text(json.dumps({**CONFIG, "steps": STEPS, "checkpoint_dir": str(ckpt), "checkpoint_every": 1}))
     log = open(tmp_path / "killed.log", "w")
     proc = subprocess.Popen(cli(config), stdout=log, stderr=subprocess.STDOUT)
@@ -51,6 +53,9 @@ def test_kill_9_then_resume_is_bit_exact(tmp_path, reference_run):
     assert proc.returncode == -signal.SIGKILL, open(tmp_path / "killed.log").read()[-3000:]
     killed_at = int((ckpt / "LATEST").read_text().split("_")[1])
     assert 2 <= killed_at < STEPS
+    # the checkpoint as an earlier version wrote it: its config flat (resume compares against it)
+    stored = flatten_checkpoint_config(ckpt / f"step_{killed_at:06d}")
+    assert stored.keys() == OLD_FLAT_DEFAULTS.keys() and stored["checkpoint_dir"] == str(ckpt)
 
     out = subprocess.run(cli(config, "--resume", "auto", "--json"), capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]

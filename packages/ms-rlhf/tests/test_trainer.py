@@ -22,7 +22,9 @@ def test_models_start_apart_and_sync_makes_them_equal(reference_run):
     from ms_rlhf.runtime.policy import build_model
 
     init = reference_run["initial"]
-    other = params(build_model(TrainConfig(**CONFIG), make_task("add").tokenizer, 1000))  # the rollout model's init
+    other = params(
+        build_model(TrainConfig.from_dict(CONFIG), make_task("add").tokenizer, 1000)
+    )  # the rollout model's init
     assert any(not np.array_equal(other[n], init[n]) for n in init)
     for name in init:  # after the initial sync: the rollout and reference models hold the initial weights
         assert np.array_equal(reference_run["infer_initial"][name], init[name]), name
@@ -54,7 +56,7 @@ def test_reward_rises(reference_run):
 def test_padded_step_equals_packed_step(reference_run):
     from ms_rlhf.runtime.trainer import GRPOTrainer
 
-    trainer = GRPOTrainer(TrainConfig(**{**CONFIG, "packing": False, "micro_batch_size": 8}))
+    trainer = GRPOTrainer(TrainConfig.from_dict({**CONFIG, "packing.enabled": False, "packing.micro_batch_size": 8}))
     m = trainer.step()
     want = reference_run["history"][0]
     assert m["packs"] == 0 and want["packs"] > 0
@@ -72,7 +74,7 @@ def test_padded_step_equals_packed_step(reference_run):
     # few eps of zero by an amount its rounding decides (the q/k projections' gradients are at most
     # ~3e-5; measured: 1.2e-6 = 1.2e-4 lr), so the weights agree to a fraction of lr, not of their scale.
     # An update applied differently (skipped, doubled, another lr) moves the other entries by ~lr.
-    lr = trainer.config.lr
+    lr = trainer.config.optimizer.lr
     packed = reference_run[1]["train"]
     for name, value in params(trainer.model).items():
         assert_close(value, packed[name], 0.0, f"weight {name} after the step", atol=1e-2 * lr)

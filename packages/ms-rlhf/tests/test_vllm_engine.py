@@ -20,12 +20,12 @@ pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch]
 def test_vllm_rollouts_follow_the_synced_policy():
     import mindspore as ms
 
-    from ms_rlhf import TrainConfig
+    from ms_rlhf import RolloutConfig, TrainConfig
     from ms_rlhf.runtime.trainer import GRPOTrainer
     from ms_rlhf.runtime.vllm_engine import VllmEngine
 
     ms.set_device("CPU")
-    trainer = GRPOTrainer(TrainConfig(jit=True, steps=2, rollout_engine="vllm", prompts_per_step=4))
+    trainer = GRPOTrainer(TrainConfig(jit=True, steps=2, rollout=RolloutConfig(engine="vllm", prompts_per_step=4)))
     assert isinstance(trainer.engine, VllmEngine)
     served = trainer.engine.weight_targets()
     for _ in range(2):

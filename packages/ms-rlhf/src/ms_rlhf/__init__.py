@@ -2,7 +2,7 @@
 and bit-exact resume.
 
 The core -- sampling.py (where rollout requests run), balance.py (Karmarkar-Karp partitions),
-packing.py (``pack``), loss.py (the loss algebra), tasks.py, config.py -- needs numpy and ms-layout's
+packing.py (``pack``), loss.py (the loss algebra), tasks.py, config.py (typed sections) -- needs numpy and ms-layout's
 core (files, limits, console: numpy and msgpack). The
 trainer lives in ``ms_rlhf.runtime`` (MindSpore, ms-models, ms-reshard, ms-layout) and is loaded
 on first use of its names.
@@ -15,7 +15,17 @@ from typing import Any
 
 from . import checkpoint
 from .balance import karmarkar_karp, lpt, makespan, partition
-from .config import TrainConfig, load_config
+from .config import (
+    CheckpointConfig,
+    LossConfig,
+    OptimizerConfig,
+    PackingConfig,
+    ParallelismConfig,
+    RolloutConfig,
+    TaskConfig,
+    TrainConfig,
+    load_config,
+)
 from .errors import CheckpointError, PackingError, RLHFError
 from .loss import AGGREGATIONS, Row, build_row, group_advantages, reference_loss, sample_weights, token_terms
 from .packing import Pack, PackPlan, lower_bound, next_fit, pack, padding_ratio, plan_packs, token_bound
@@ -40,17 +50,24 @@ __all__ = [
     "AGGREGATIONS",
     "Assignment",
     "CharTokenizer",
+    "CheckpointConfig",
     "CheckpointError",
     "EmbeddedEngine",
     "GRPOTrainer",
+    "LossConfig",
+    "OptimizerConfig",
     "Pack",
     "PackPlan",
+    "PackingConfig",
     "PackingError",
+    "ParallelismConfig",
     "Prompt",
     "PromptStream",
     "RLHFError",
+    "RolloutConfig",
     "RolloutEngine",
     "Row",
+    "TaskConfig",
     "TrainConfig",
     "VllmEngine",
     "WeightSync",

@@ -270,10 +270,13 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
-def verify(path: str | os.PathLike, files: list[str] | None = None) -> dict[str, Any]:
-    """Check sizes and checksums of `files` (default: all) against the manifest; returns it."""
+def verify(
+    path: str | os.PathLike, files: list[str] | None = None, manifest: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Check sizes and checksums of `files` (default: all) against the manifest (`manifest`, as
+    read_manifest returned it, or read here); returns it."""
     path = os.fspath(path)
-    manifest = read_manifest(path)
+    manifest = read_manifest(path) if manifest is None else manifest
     for name in files if files is not None else list(manifest["files"]):
         if name not in manifest["files"]:
             raise CheckpointError(f"checkpoint {path!r} lacks {name!r}")
@@ -307,8 +310,6 @@ def read_state(path: str | os.PathLike, manifest: dict[str, Any] | None = None) 
 
 def load(path: str | os.PathLike, rank: int, world_size: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """This rank's arrays and the shared state of a checkpoint, verified first."""
-    from safetensors.numpy import load_file
-
     path = resolve(path)
     manifest = verify(path, [rank_file(rank)])
     if manifest["world_size"] != world_size:
@@ -316,8 +317,21 @@ def load(path: str | os.PathLike, rank: int, world_size: int) -> tuple[dict[str,
             f"checkpoint {path!r} was written by {manifest['world_size']} ranks; this run has {world_size}"
         )
     state = read_state(path, manifest)
+    return _read_arrays(path, rank), state
+
+
+def load_arrays(path: str | os.PathLike, manifest: dict[str, Any], rank: int) -> dict[str, np.ndarray]:
+    """This rank's arrays of the checkpoint at `path` (resolved) whose `manifest` the caller has read
+    (read_manifest): its file verified against that manifest first, nothing read twice."""
+    path = os.fspath(path)
+    verify(path, [rank_file(rank)], manifest)
+    return _read_arrays(path, rank)
+
+
+def _read_arrays(path: str, rank: int) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
     try:
-        arrays = load_file(os.path.join(path, rank_file(rank)))
+        return load_file(os.path.join(path, rank_file(rank)))
     except Exception as exc:  # safetensors raises its own SafetensorError for a malformed header
         raise CheckpointError(f"checkpoint {path!r}: {rank_file(rank)} is not a safetensors file ({exc})") from None
-    return arrays, state

@@ -1,6 +1,6 @@
 """``ms-rlhf``: train GRPO from a config file; pack a list of lengths.
 
-ms-rlhf train --config run.json [--resume DIR|auto] [--nprocs 2] [--set steps=50] [--json]
+ms-rlhf train --config run.json [--resume DIR|auto] [--nprocs 2] [--set optimizer.lr=0.02] [--json]
 ms-rlhf pack --lengths 5,3,8,2 --max-pack-len 10 [--max-pack-count 3] [--json]
 """
 
@@ -103,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--nprocs", type=int, default=1, help="local ranks (gloo process group)")
     t.add_argument("--timeout", type=float, default=3600.0, help="deadline of a multi-rank run (seconds)")
     t.add_argument("--device", default="CPU", help="MindSpore device (CPU, GPU, Ascend)")
-    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key: section.field (rollout.temperature=0.7), a run-wide key "
+                        "(steps=50) or an earlier config's flat name (lr=0.02); VALUE: JSON or a string")  # fmt: skip
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--json", action="store_true", help="print only a JSON summary on stdout")
     p = sub.add_parser("pack", help="pack sample lengths and report the bound")

@@ -1,31 +1,51 @@
-"""The trainer's configuration: one flat dataclass, read from JSON or TOML.
+"""The trainer's configuration: a few run-wide keys and one typed section per concern, read from
+JSON or TOML.
 
-Unknown keys and bad values raise RLHFError naming them, so a typo never silently falls back to a
-default. ``ms-rlhf train --config FILE`` reads this; :meth:`TrainConfig.to_dict` is what
-checkpoints store.
+A config file (TOML here; JSON holds the same objects)::
+
+    steps = 40                  # run-wide: seed, steps, jit, model, model_path
+    [task]                      # name, params, dataset_size
+    [rollout]                   # prompts_per_step, samples_per_prompt, max_new_tokens, temperature,
+                                # strategy, instances, engine, mode, block_size
+    [optimizer]                 # lr, max_grad_norm, updates_per_rollout
+    [loss]                      # clip_eps, kl_coef, aggregation, ref_sync_every
+    [packing]                   # enabled, max_len, max_count, micro_batch_size
+    [parallel]                  # optimizer_shard, tp, pp, pipeline_schedule
+    [checkpoint]                # dir, every, keep
+
+The sections are the dataclasses of config_sections.py, each checking its own fields. Keys may
+also be dotted (``"optimizer.lr"``, as ``--set`` takes them) or carry the flat names of ms-rlhf's
+first configs (``"lr"``), which checkpoints of earlier versions store (config_keys.py). Unknown
+keys, a key given twice and bad values raise RLHFError naming them as ``section.field``, so a typo
+never silently falls back to a default. :meth:`TrainConfig.to_dict` (nested) is what checkpoints
+store.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ms_layout.files import FileError, read_capped
 
-from .errors import RLHFError
-from .limits import (
-    MAX_CONFIG_BYTES,
-    MAX_DATASET_SIZE,
-    MAX_MODEL_DIM,
-    MAX_ROLLOUT_INSTANCES,
-    MAX_ROLLOUT_SAMPLES,
-    MAX_SEQ_LEN,
+from .config_keys import canonical, show
+from .config_sections import (
+    CheckpointConfig,
+    LossConfig,
+    OptimizerConfig,
+    PackingConfig,
+    ParallelismConfig,
+    RolloutConfig,
+    TaskConfig,
+    check_bool,
+    check_int,
+    check_path,
 )
-from .loss import AGGREGATIONS
-from .tasks import make_task
+from .errors import RLHFError
+from .limits import MAX_CONFIG_BYTES, MAX_MODEL_DIM
 
 DEFAULT_MODEL = {
     "arch": "llama",
@@ -38,158 +58,117 @@ DEFAULT_MODEL = {
 }
 """A one-layer Llama small enough to train on two CPU cores in a CI run."""
 
+SECTIONS = {
+    "task": TaskConfig,
+    "rollout": RolloutConfig,
+    "optimizer": OptimizerConfig,
+    "loss": LossConfig,
+    "packing": PackingConfig,
+    "parallel": ParallelismConfig,
+    "checkpoint": CheckpointConfig,
+}
+"""{section name: its dataclass}, in the order a config file lists them."""
+
 
 @dataclass
 class TrainConfig:
-    """Everything a GRPO run needs."""
+    """Everything a GRPO run needs: run-wide keys, then one section per concern."""
 
-    task: str = "add"
-    """Verifiable task: "add" or "reverse" (tasks.py)."""
-    task_params: dict[str, Any] = field(default_factory=lambda: {"max_operand": 4})
-    """Task parameters, e.g. {"max_operand": 4} or {"alphabet": "abcd", "min_len": 2, "max_len": 4}."""
-    dataset_size: int = 1024
-    """Prompts in the fixed dataset drawn from the seed."""
-    model: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_MODEL))
-    """ms_models tiny_config arch and field overrides (vocab_size comes from the task's tokenizer)."""
-    model_path: str | None = None
-    """Start from this ms_models checkpoint directory instead (its vocabulary must cover the task's)."""
     seed: int = 0
     """Seeds the model init, the dataset, the sampler and every rollout sample."""
     steps: int = 40
     """Rollout + update steps to run."""
-    prompts_per_step: int = 8
-    """Prompts per rollout (N)."""
-    samples_per_prompt: int = 8
-    """Samples per prompt (n, the GRPO group size)."""
-    max_new_tokens: int = 6
-    """Longest response."""
-    temperature: float = 1.0
-    """Sampling temperature of rollouts."""
-    lr: float = 1e-2
-    """Adam learning rate."""
-    max_grad_norm: float = 1.0
-    """Global gradient-norm clip (0: off)."""
-    clip_eps: float = 0.2
-    """PPO/GRPO ratio clip."""
-    kl_coef: float = 0.005
-    """Weight of the k3 KL term to the reference model."""
-    loss_aggregation: str = "seq-mean-token-mean"
-    """How token terms are averaged: "seq-mean-token-mean", "token-mean", "seq-mean-token-sum"."""
-    updates_per_rollout: int = 1
-    """Mini-batches (optimizer steps) per rollout; old log-probs are those of the rollout policy."""
-    packing: bool = True
-    """Pack samples (True) or pad micro-batches of micro_batch_size samples (False)."""
-    max_pack_len: int = 64
-    """Most tokens per pack."""
-    max_pack_count: int | None = None
-    """Most samples per pack (None: no limit)."""
-    micro_batch_size: int = 4
-    """Rows per micro-batch: packs when packing, samples (one per row) when padding."""
-    rollout_strategy: str = "uniform"
-    """Where requests run: "uniform", "contiguous" or "balanced" (sampling.py)."""
-    rollout_instances: int = 2
-    """DP inference instances per rank (run one after another on one process)."""
-    rollout_engine: str = "embedded"
-    """"embedded" (an ms_models model in process) or "vllm" (vLLM with the ms-vllm plugin, installed separately)."""
-    rollout_mode: str = "auto"
-    """Embedded engine path: "paged" (ms_models forward_paged), "jit" (compiled recompute), "auto" (= jit if jit)."""
-    block_size: int = 8
-    """Paged KV-cache block size of the embedded engine."""
-    optimizer_shard: bool = False
-    """Keep master weights and Adam state split over the DP ranks (ZeRO-style); else replicated."""
-    tp: int = 1
-    """Tensor-parallel size of the training model (llama/qwen2; runs eagerly): the ranks form
-    world / tp data-parallel replicas of tp consecutive ranks each."""
-    pp: int = 1
-    """Pipeline-parallel size of the training model: its blocks over all pp ranks of the run
-    (dp = tp = 1), run by ms-pipeline's runtime with `pipeline_schedule`; needs packing=false."""
-    pipeline_schedule: str = "zbv"
-    """ms-pipeline schedule of the pipelined actor: "zbv" (ZeroBubbleV), "1f1b", "gpipe", ..."""
-    ref_sync_every: int = 0
-    """Copy the policy into the reference model every this many steps (0: frozen reference)."""
-    checkpoint_dir: str | None = None
-    """Where checkpoints go (step_NNNNNN/ directories and a LATEST pointer)."""
-    checkpoint_every: int = 0
-    """Write a checkpoint every this many steps (0: only at the end when checkpoint_dir is set)."""
-    keep_checkpoints: int = 2
-    """How many checkpoints to keep."""
     jit: bool = True
-    """Compile log-probs, loss and gradients with mindspore.jit (rows padded to one width: max_pack_len
+    """Compile log-probs, loss and gradients with mindspore.jit (rows padded to one width: packing.max_len
     when packing, else the longest prompt + max_new_tokens); false: eager, the debug path. A
     tensor-parallel actor (tp > 1) runs eagerly either way (its collectives run on the host)."""
+    model: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_MODEL))
+    """ms_models tiny_config arch and field overrides (vocab_size comes from the task's tokenizer)."""
+    model_path: str | None = None
+    """Start from this ms_models checkpoint directory instead (its vocabulary must cover the task's)."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The verifiable task and its prompt set."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout sizes, sampling and the inference engine."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Adam and the updates per rollout."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """The GRPO loss terms and the reference model's refresh."""
+    packing: PackingConfig = field(default_factory=PackingConfig)
+    """Packs or padded rows, and micro-batches."""
+    parallel: ParallelismConfig = field(default_factory=ParallelismConfig)
+    """ZeRO, tensor and pipeline parallelism of the training model."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint directory, interval and retention."""
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         """Raise RLHFError on a value that cannot run (a wrong type, out of range, over a limit)."""
-        for name in _POSITIVE:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise RLHFError(f"config {name}={_show(value)}: expected a positive int")
-        for name in ("checkpoint_every", "ref_sync_every", "seed"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise RLHFError(f"config {name}={_show(value)}: expected an int >= 0")
-        for name, limit in _LIMITED.items():
-            limit.check(getattr(self, name), f"config {name}", RLHFError)
-        MAX_ROLLOUT_SAMPLES.check(
-            self.prompts_per_step * self.samples_per_prompt, "config prompts_per_step * samples_per_prompt", RLHFError
-        )
-        for name, above in (("lr", 0.0), ("temperature", 0.0), ("max_grad_norm", None), ("clip_eps", None)):
-            _number(self, name, above)  # above=None: >= 0
-        _number(self, "kl_coef", None)
-        for name in ("packing", "optimizer_shard", "jit"):
-            if not isinstance(getattr(self, name), bool):
-                raise RLHFError(f"config {name}={_show(getattr(self, name))}: expected true or false")
-        for name in ("checkpoint_dir", "model_path"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value or "\x00" in value):
-                raise RLHFError(f"config {name}={_show(value)}: expected a path or null")
-        for name, choices in _CHOICES.items():
-            if not isinstance(getattr(self, name), str) or getattr(self, name) not in choices:
-                raise RLHFError(f"config {name}={_show(getattr(self, name))}: expected one of {list(choices)}")
-        count = self.max_pack_count
-        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
-            raise RLHFError(f"config max_pack_count={_show(count)}: expected a positive int or null")
-        if self.prompts_per_step * self.samples_per_prompt % self.updates_per_rollout:
-            raise RLHFError(
-                f"config updates_per_rollout={self.updates_per_rollout} must divide the "
-                f"{self.prompts_per_step * self.samples_per_prompt} samples of a rollout"
-            )
-        if not isinstance(self.pipeline_schedule, str) or not self.pipeline_schedule:
-            raise RLHFError(f"config pipeline_schedule={_show(self.pipeline_schedule)}: expected a schedule name")
-        if self.pp > 1 and (self.packing or self.tp > 1):
-            raise RLHFError(
-                f"config pp={self.pp} needs packing=false and tp=1 (pipeline blocks see each row as one causal "
-                f"sequence; got packing={self.packing}, tp={self.tp})"
-            )
-        if not isinstance(self.task_params, dict):
-            raise RLHFError(f"config task_params={_show(self.task_params)}: expected an object")
-        make_task(self.task, **self.task_params)  # the task checks its own parameters
+        for name, cls in SECTIONS.items():
+            section = getattr(self, name)
+            if not isinstance(section, cls):
+                raise RLHFError(
+                    f"config {name}={show(section)}: expected a {cls.__name__} (or use TrainConfig.from_dict)"
+                )
+            section.validate()
+        check_int(self.seed, "seed", 0)
+        check_int(self.steps, "steps", 1)
+        check_bool(self.jit, "jit")
+        check_path(self.model_path, "model_path")
         _check_model(self.model)
+        samples = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+        if samples % self.optimizer.updates_per_rollout:
+            raise RLHFError(f"config optimizer.updates_per_rollout={self.optimizer.updates_per_rollout} must divide "
+                            f"the {samples} samples of a rollout (prompts_per_step * samples_per_prompt)")  # fmt: skip
+        par = self.parallel
+        if par.pp > 1 and (self.packing.enabled or par.tp > 1):
+            raise RLHFError(
+                f"config parallel.pp={par.pp} needs packing.enabled=false and parallel.tp=1 (pipeline blocks see "
+                f"each row as one causal sequence; got packing.enabled={self.packing.enabled}, parallel.tp={par.tp})"
+            )
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data (JSON-able)."""
+        """Plain nested data (JSON-able): run-wide keys, then an object per section."""
         return asdict(self)
 
+    def dotted(self) -> dict[str, Any]:
+        """``{key: value}`` with section fields as ``"section.field"`` (run-wide keys as they are)."""
+        return canonical(self.to_dict(), _FIELDS, _TOP)
+
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        """Build from plain data; unknown keys are an error naming them."""
-        if not isinstance(data, dict):
-            raise RLHFError(f"config must be an object (a mapping of keys), got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise RLHFError(f"unknown config keys {unknown}; known keys: {sorted(known)}")
-        try:
-            return cls(**data)
-        except TypeError as exc:
-            raise RLHFError(f"bad config: {exc}") from None
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
+        """Build from plain data: nested sections, dotted keys or the flat names of earlier configs
+        (config_keys.py), mixed as you like; an unknown key or one given twice is an error naming it."""
+        values = dotted_keys(data)
+        parts: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        top = {}
+        for key, value in values.items():
+            section, _, name = key.partition(".")
+            if name:
+                parts[section][name] = value
+            else:
+                top[key] = value
+        return cls(**top, **{name: SECTIONS[name](**part) for name, part in parts.items()})
+
+    def updated(self, changes: Mapping[str, Any]) -> TrainConfig:
+        """A copy with `changes` (in any spelling from_dict reads) replacing this config's values."""
+        return TrainConfig.from_dict({**self.dotted(), **dotted_keys(changes)})
 
 
-def load_config(path: str | os.PathLike, overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """Read a TrainConfig from a .json or .toml file, then apply `overrides`."""
+_TOP = tuple(f.name for f in fields(TrainConfig) if f.name not in SECTIONS)
+_FIELDS = {name: tuple(f.name for f in fields(cls)) for name, cls in SECTIONS.items()}
+
+
+def dotted_keys(data: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"section.field" or run-wide key: value}`` of config data in any spelling (not validated)."""
+    return canonical(data, _FIELDS, _TOP)
+
+
+def load_config(path: str | os.PathLike, overrides: Mapping[str, Any] | None = None) -> TrainConfig:
+    """Read a TrainConfig from a .json or .toml file, then apply `overrides` (``--set``: dotted or
+    flat keys), which replace the file's values however either spells them."""
     path = os.fspath(path)
     try:
         raw = read_capped(path, MAX_CONFIG_BYTES.value, "config")
@@ -218,64 +197,19 @@ def load_config(path: str | os.PathLike, overrides: dict[str, Any] | None = None
         raise RLHFError(f"config {path!r} is not valid {kind}: {' '.join(str(exc).split())[:200]}") from None
     if not isinstance(data, dict):
         raise RLHFError(f"config {path!r} holds a {type(data).__name__}; expected an object of config keys")
-    return TrainConfig.from_dict({**data, **(overrides or {})})
-
-
-_POSITIVE = (
-    "dataset_size",
-    "steps",
-    "prompts_per_step",
-    "samples_per_prompt",
-    "max_new_tokens",
-    "updates_per_rollout",
-    "max_pack_len",
-    "micro_batch_size",
-    "rollout_instances",
-    "block_size",
-    "keep_checkpoints",
-    "tp",
-    "pp",
-)
-_LIMITED = {
-    "dataset_size": MAX_DATASET_SIZE,
-    "max_new_tokens": MAX_SEQ_LEN,
-    "max_pack_len": MAX_SEQ_LEN,
-    "block_size": MAX_SEQ_LEN,
-    "micro_batch_size": MAX_ROLLOUT_SAMPLES,
-    "rollout_instances": MAX_ROLLOUT_INSTANCES,
-}
-_CHOICES = {
-    "loss_aggregation": AGGREGATIONS,
-    "rollout_strategy": ("uniform", "contiguous", "balanced"),
-    "rollout_engine": ("embedded", "vllm"),
-    "rollout_mode": ("auto", "paged", "jit"),
-}
-
-
-def _show(value: Any) -> str:
-    """A value for an error message: its repr, cut short."""
-    text = repr(value) if not isinstance(value, int) or abs(value) < 10**100 else f"<int of {len(str(value))} digits>"
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _number(config: TrainConfig, name: str, above: float | None) -> None:
-    value = getattr(config, name)
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    if not ok or (value <= above if above is not None else value < 0):
-        want = f"a finite number > {above:g}" if above is not None else "a finite number >= 0"
-        raise RLHFError(f"config {name}={_show(value)}: expected {want}")
+    return TrainConfig.from_dict({**dotted_keys(data), **dotted_keys(overrides or {})})
 
 
 def _check_model(model: Any) -> None:
     """The `model` overrides: an object of plain values, integers within MS_RLHF_MAX_MODEL_DIM."""
     if not isinstance(model, dict):
-        raise RLHFError(f"config model={_show(model)}: expected an object of ms_models config fields")
+        raise RLHFError(f"config model={show(model)}: expected an object of ms_models config fields")
     if not isinstance(model.get("arch", "llama"), str):
-        raise RLHFError(f"config model.arch={_show(model['arch'])}: expected a name such as 'llama'")
+        raise RLHFError(f"config model.arch={show(model['arch'])}: expected a name such as 'llama'")
     for key, value in model.items():
         if isinstance(value, int) and not isinstance(value, bool):
             if value < 0:
                 raise RLHFError(f"config model.{key}={value}: expected an int >= 0")
             MAX_MODEL_DIM.check(value, f"config model.{key}", RLHFError)
         elif value is not None and not isinstance(value, (bool, float, str)):
-            raise RLHFError(f"config model.{key}={_show(value)}: expected a number, a string, true/false or null")
+            raise RLHFError(f"config model.{key}={show(value)}: expected a number, a string, true/false or null")

@@ -11,9 +11,9 @@ from ms_layout.limits import Limit
 MAX_PACK_SAMPLES = Limit("MS_RLHF_MAX_PACK_SAMPLES", 8192, "samples in one packing")
 """The greedy packers are quadratic in the number of samples: 5,000 took 3 s, 20,000 took 36 s."""
 MAX_SEQ_LEN = Limit("MS_RLHF_MAX_SEQ_LEN", 1 << 20, "tokens per sequence")
-"""max_pack_len, max_new_tokens and block_size: padded batches allocate rows of this length."""
+"""packing.max_len, rollout.max_new_tokens and rollout.block_size: padded batches allocate rows of this length."""
 MAX_ROLLOUT_SAMPLES = Limit("MS_RLHF_MAX_ROLLOUT_SAMPLES", 1 << 18, "samples per rollout")
-"""prompts_per_step * samples_per_prompt, and micro_batch_size."""
+"""rollout.prompts_per_step * rollout.samples_per_prompt, and packing.micro_batch_size."""
 MAX_DATASET_SIZE = Limit("MS_RLHF_MAX_DATASET_SIZE", 1 << 20, "prompts in the dataset")
 """The prompt dataset is drawn and held in memory up front."""
 MAX_ROLLOUT_INSTANCES = Limit("MS_RLHF_MAX_ROLLOUT_INSTANCES", 1024, "rollout instances per rank")

@@ -18,13 +18,15 @@ bit for bit (docs/ms-rlhf.md, "Elastic resume").
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import NamedTuple
 
 import numpy as np
 
 from .. import checkpoint
-from ..errors import CheckpointError
+from ..config import dotted_keys
+from ..errors import CheckpointError, RLHFError
 from .pipelined import build_schedule, owners
 from .sync import layouts
 
@@ -45,7 +47,7 @@ def split_keys(keys, names) -> tuple[dict[str, str], list[str]]:
     return sharded, replicated
 
 
-def specs(model_config, world: int, layout: Layout, keys: dict[str, str]) -> dict:
+def specs(model_config, world: int, layout: MasterLayout, keys: dict[str, str]) -> dict:
     """{key: ms_reshard.ParamSpec} of the master-layout keys for `world` ranks under `layout`."""
     import ms_models
 
@@ -58,8 +60,9 @@ def specs(model_config, world: int, layout: Layout, keys: dict[str, str]) -> dic
     return {key: by_name[name] for key, name in keys.items()}
 
 
-class Layout(NamedTuple):
-    """How a run kept its master weights (besides its number of ranks)."""
+class MasterLayout(NamedTuple):
+    """How a run kept its master weights (besides its number of ranks): its config's `parallel`
+    section. Not an ms_layout.Layout, one tensor's placement, which the specs below are made of."""
 
     sharded: bool
     """Optimizer sharding (ZeRO) over the DP replicas."""
@@ -71,49 +74,52 @@ class Layout(NamedTuple):
     """The pipeline schedule (which stage sits on which rank)."""
 
 
-def run_layout(config) -> Layout:
-    """The Layout of a TrainConfig."""
-    return Layout(config.optimizer_shard, config.tp, config.pp, config.pipeline_schedule)
+def run_layout(config) -> MasterLayout:
+    """The MasterLayout of a TrainConfig."""
+    par = config.parallel
+    return MasterLayout(par.optimizer_shard, par.tp, par.pp, par.pipeline_schedule)
 
 
-def saved_layout(path: str, state: dict, world: int) -> Layout:
-    """The Layout of the run of `world` ranks that wrote the checkpoint (its `state`)."""
-    saved = state.get("config")
-    if not isinstance(saved, dict) or not isinstance(saved.get("optimizer_shard"), bool):
+def saved_layout(path: str, state: dict, world: int) -> MasterLayout:
+    """The MasterLayout of the run of `world` ranks that wrote the checkpoint (its `state`), whose
+    config is nested or, written by an earlier version, flat (config_keys.py)."""
+    try:
+        saved = dotted_keys(state.get("config"))
+    except RLHFError as exc:
+        raise CheckpointError(f"checkpoint {path!r}: state.json holds no readable config ({exc})") from None
+    if not isinstance(saved.get("parallel.optimizer_shard"), bool):
         raise CheckpointError(f"checkpoint {path!r}: state.json does not say whether its optimizer was sharded")
-    sizes = {k: saved.get(k, 1) for k in ("tp", "pp")}  # written before TP/PP training existed: 1
+    sizes = {k: saved.get(f"parallel.{k}", 1) for k in ("tp", "pp")}  # written before TP/PP training existed: 1
     for key, size in sizes.items():
         if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world % size:
-            raise CheckpointError(f"checkpoint {path!r}: state.json holds {key}={size!r}, not a divisor of its ranks")
-    schedule = saved.get("pipeline_schedule", "zbv")
+            raise CheckpointError(
+                f"checkpoint {path!r}: state.json holds parallel.{key}={size!r}, not a divisor of its ranks"
+            )
+    schedule = saved.get("parallel.pipeline_schedule", "zbv")
     if not isinstance(schedule, str):
-        raise CheckpointError(f"checkpoint {path!r}: state.json holds pipeline_schedule={schedule!r}")
-    return Layout(saved["optimizer_shard"], sizes["tp"], sizes["pp"], schedule)
+        raise CheckpointError(f"checkpoint {path!r}: state.json holds parallel.pipeline_schedule={schedule!r}")
+    return MasterLayout(saved["parallel.optimizer_shard"], sizes["tp"], sizes["pp"], schedule)
 
 
-def load(path: str, manifest: dict, state: dict, model_config, rank: int, world: int, layout: Layout):
+def load(path: str, manifest: dict, state: dict, model_config, rank: int, world: int, layout: MasterLayout):
     """This rank's arrays (keys as ``GRPOTrainer.save_checkpoint`` writes them) from a checkpoint
     (its verified `manifest` and `state`) written under another layout; `world` and `layout` are
     this run's. Every file is verified first; a layout the files do not hold is a
     CheckpointError."""
-    from safetensors import safe_open
-
     import ms_models
     from ms_reshard import ReshardError, model_plan, read_rank
 
-    checkpoint.verify(path)  # every old rank's file: sizes and sha256
+    checkpoint.verify(path, manifest=manifest)  # every old rank's file: sizes and sha256
     old_world = manifest["world_size"]
     files = {r: os.path.join(path, checkpoint.rank_file(r)) for r in range(old_world)}
-    names, stored = set(ms_models.param_shapes(model_config)), set()
-    for r, file in files.items():  # a pipeline stage's rank holds only its own parameters
-        try:
-            with safe_open(file, framework="numpy") as f:
-                stored.update(f.keys())
-                if r == 0:
-                    _, replicated = split_keys(list(f.keys()), names)
-                    scalars = {k: f.get_tensor(k) for k in replicated}
-        except Exception as exc:  # safetensors' own error types for a malformed header
-            raise CheckpointError(f"checkpoint {path!r}: {checkpoint.rank_file(r)} is unreadable ({exc})") from None
+    names = set(ms_models.param_shapes(model_config))
+    with _open(path, 0, files[0]) as f:  # the replicated scalars are the same in every file: read the first's
+        stored = set(f.keys())
+        _, replicated = split_keys(sorted(stored), names)
+        scalars = {k: f.get_tensor(k) for k in replicated}
+    for r in range(1, old_world):  # a pipeline stage's rank holds only its own parameters
+        with _open(path, r, files[r]) as f:
+            stored.update(f.keys())
     keys, _ = split_keys(sorted(stored), names)
     try:
         plan = model_plan(specs(model_config, old_world, saved_layout(path, state, old_world), keys),
@@ -123,3 +129,16 @@ def load(path: str, manifest: dict, state: dict, model_config, rank: int, world:
         raise CheckpointError(f"checkpoint {path!r} cannot be resharded to {world} ranks: {exc}") from None
     arrays.update({k: np.array(v, copy=True) for k, v in scalars.items()})
     return arrays
+
+
+@contextlib.contextmanager
+def _open(path: str, rank: int, file: str):
+    """An old rank file as a lazy safetensors reader; a malformed one (its header, a tensor read in
+    the block) is a CheckpointError naming it."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, framework="numpy") as f:
+            yield f
+    except Exception as exc:  # safetensors' own error types
+        raise CheckpointError(f"checkpoint {path!r}: {checkpoint.rank_file(rank)} is unreadable ({exc})") from None

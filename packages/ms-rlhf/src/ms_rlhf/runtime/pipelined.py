@@ -43,7 +43,7 @@ def build_schedule(name: str, ranks: int, microbatches: int):
         return mp.build(name, ranks, microbatches)
     except mp.ScheduleError as exc:
         raise RLHFError(
-            f"config pipeline_schedule={name!r} on {ranks} ranks, {microbatches} micro-batches: {exc}"
+            f"config parallel.pipeline_schedule={name!r} on {ranks} ranks, {microbatches} micro-batches: {exc}"
         ) from None
 
 
@@ -81,7 +81,7 @@ class PipelinedActor:
         import ms_models
         import ms_pipeline as mp
 
-        grpo_loss = grpo_loss_fn(config.clip_eps, config.kl_coef)
+        grpo_loss = grpo_loss_fn(config.loss.clip_eps, config.loss.kl_coef)
         scale = float(microbatches)
 
         class GRPOHead(nn.Cell):
@@ -97,7 +97,7 @@ class PipelinedActor:
                 logp = ops.gather_elements(logp, -1, targets.expand_dims(-1)).squeeze(-1)
                 return grpo_loss(logp, weights, adv, old, ref)[0] * scale
 
-        self.schedule = build_schedule(config.pipeline_schedule, group.size, microbatches)
+        self.schedule = build_schedule(config.parallel.pipeline_schedule, group.size, microbatches)
         blocks = ms_models.pipeline_blocks(model)
         names = {id(p): p.name for b in blocks for p in b.get_parameters()}
         blocks[-1] = GRPOHead(blocks[-1])

@@ -13,10 +13,11 @@ from ..errors import CheckpointError, RLHFError
 
 log = logging.getLogger("ms_rlhf")
 
-#: config keys a resumed run may change (optimizer_shard, tp, pp and the schedule are layouts:
-#: resharded on resume, like a new number of ranks); anything else must match the checkpoint's config
-RESUMABLE_CHANGES = {"steps", "checkpoint_dir", "checkpoint_every", "keep_checkpoints"}
-RESUMABLE_CHANGES |= {"optimizer_shard", "tp", "pp", "pipeline_schedule"}
+#: config keys (dotted, TrainConfig.dotted) a resumed run may change: `steps`, the checkpoint
+#: settings and the `parallel` section (layouts: resharded on resume, like a new number of ranks);
+#: anything else must match the checkpoint's config, nested or, from an earlier version, flat
+RESUMABLE_CHANGES = {"steps", "checkpoint.dir", "checkpoint.every", "checkpoint.keep"}
+RESUMABLE_CHANGES |= {"parallel.optimizer_shard", "parallel.tp", "parallel.pp", "parallel.pipeline_schedule"}
 
 
 def _resume_path(config: TrainConfig, resume: str | None, group) -> tuple[str | None, list[dict[str, str]]]:
@@ -24,9 +25,9 @@ def _resume_path(config: TrainConfig, resume: str | None, group) -> tuple[str | 
     file), the others follow its choice so all ranks load the same step."""
     if resume is None:
         return None, []
-    if resume == "auto" and not config.checkpoint_dir:
-        raise RLHFError("--resume auto needs checkpoint_dir in the config")
-    where = config.checkpoint_dir if resume == "auto" else resume
+    if resume == "auto" and not config.checkpoint.dir:
+        raise RLHFError("--resume auto needs checkpoint.dir in the config")
+    where = config.checkpoint.dir if resume == "auto" else resume
     found, skipped, error = None, [], None
     if group.rank == 0:
         try:
@@ -68,9 +69,9 @@ def _follow_rank0(group, where: str, found: str | None, error: Exception | None)
     return os.path.join(where, checkpoint.step_name(int(choice[0])))
 
 
-def _check_same_run(config: TrainConfig, saved: dict) -> None:
-    ours = config.to_dict()
-    changed = sorted(k for k in ours if k not in RESUMABLE_CHANGES and ours[k] != saved.get(k))
+def _check_same_run(config: TrainConfig, saved: TrainConfig) -> None:
+    ours, theirs = config.dotted(), saved.dotted()
+    changed = sorted(k for k in ours if k not in RESUMABLE_CHANGES and ours[k] != theirs[k])
     if changed:
         raise RLHFError(f"cannot resume: the config differs from the checkpoint's in {changed}")
 
@@ -117,10 +118,10 @@ def train(
                             tok_s=f"{m['tokens_per_s']:.0f}")  # fmt: skip
         if on_step is not None:
             on_step(m)
-        every = config.checkpoint_every
-        if config.checkpoint_dir and every and trainer.step_count % every == 0:
+        every = config.checkpoint.every
+        if config.checkpoint.dir and every and trainer.step_count % every == 0:
             saved = trainer.save_checkpoint()
-    if config.checkpoint_dir and (saved is None or not saved.endswith(f"{trainer.step_count:06d}")):
+    if config.checkpoint.dir and (saved is None or not saved.endswith(f"{trainer.step_count:06d}")):
         saved = trainer.save_checkpoint()
     if bar is not None:
         bar.close()
@@ -143,8 +144,12 @@ def _nan(value: float | None) -> float:
     return float("nan") if value is None else value
 
 
-def _saved_config(path: str) -> dict:
+def _saved_config(path: str) -> TrainConfig:
+    """The config a checkpoint's run had: nested, or flat from an earlier version."""
     config = checkpoint.read_state(path).get("config")  # verified against the manifest first
     if not isinstance(config, dict):
         raise CheckpointError(f"checkpoint {path!r}: state.json has no config object")
-    return config
+    try:
+        return TrainConfig.from_dict(config)
+    except RLHFError as exc:
+        raise CheckpointError(f"checkpoint {path!r}: its config does not read: {exc}") from None

@@ -31,6 +31,25 @@ import numpy as np
 from ms_layout import ParallelConfig
 
 
+@dataclass(frozen=True)
+class PlanBytes:
+    """What one sync plan moves for this rank, from the plan's own per-rank figures."""
+
+    received: int
+    """Bytes this rank receives from other ranks."""
+    local: int
+    """Bytes of this rank's target shards it copies from its own master shards."""
+    lower_bound: int
+    """Bytes this rank must receive at the least (its target shards less what it holds already)."""
+
+    @classmethod
+    def of(cls, plan, targets: Mapping[str, object], rank: int) -> PlanBytes:
+        """`rank`'s figures of `plan` (an ms_reshard ModelPlan) into the `targets` ParamSpecs."""
+        mine = plan.per_rank().get(rank, {"received": 0, "lower_bound": 0})
+        held = sum(_shard_bytes(spec, rank) for spec in targets.values())
+        return cls(int(mine["received"]), held - int(mine["received"]), int(mine["lower_bound"]))
+
+
 @dataclass
 class SyncStats:
     """What one sync moved."""
@@ -38,9 +57,16 @@ class SyncStats:
     seconds: float
     """Wall time."""
     received_bytes: int
-    """Bytes this rank received from other ranks."""
+    """Bytes this rank received from other ranks (its plan's PlanBytes.received)."""
     local_bytes: int
-    """Bytes this rank copied locally."""
+    """Bytes this rank copied locally (its plan's PlanBytes.local)."""
+
+
+def _shard_bytes(spec, rank: int) -> int:
+    """Bytes of `rank`'s shard of a ParamSpec (0 off its layout's ranks)."""
+    if rank not in spec.layout.ranks:
+        return 0
+    return int(np.prod(spec.layout.shard_shape(spec.shape), dtype=np.int64)) * np.dtype(spec.dtype).itemsize
 
 
 def layouts(config, world: int, sharded: bool, shapes: Mapping[str, tuple[int, ...]], tp: int = 1, owner=None):
@@ -82,10 +108,11 @@ class WeightSync:
         self.replica = layouts(config, group.size, False, shapes)
         self.to_train = model_plan(self.master, self.train)
         self.to_replica = model_plan(self.master, self.replica)
-        per_rank = self.to_replica.per_rank().get(self.rank, {"received": 0, "lower_bound": 0})
-        self.received_bytes = int(per_rank["received"])
-        self.lower_bound_bytes = int(per_rank["lower_bound"])
-        self.total_bytes = sum(int(np.prod(s)) * 4 for s in shapes.values())
+        self.bytes = {"train": PlanBytes.of(self.to_train, self.train, self.rank),
+                      "replica": PlanBytes.of(self.to_replica, self.replica, self.rank)}  # fmt: skip
+        # the rollout (and reference) model's figures: what the trainer reports as sync_received_bytes
+        self.received_bytes = self.bytes["replica"].received
+        self.lower_bound_bytes = self.bytes["replica"].lower_bound
 
     def held(self, name: str) -> bool:
         """Whether this rank keeps any of the parameter's master weights (not so for another
@@ -111,8 +138,9 @@ class WeightSync:
         the training model's (`to="train"`) or a replicated one's (rollout, reference)."""
         from ms_reshard import reshard_parameters
 
+        if to not in self.bytes:
+            raise ValueError(f"WeightSync.run(to={to!r}): expected 'train' or 'replica'")
         start = time.perf_counter()
         reshard_parameters(self.to_train if to == "train" else self.to_replica, self.group, src, dst)
         seconds = time.perf_counter() - start
-        received = self.received_bytes if to != "train" else 0
-        return SyncStats(seconds, received, self.total_bytes - received)
+        return SyncStats(seconds, self.bytes[to].received, self.bytes[to].local)

@@ -56,41 +56,44 @@ class GRPOTrainer:
         self.config, cfg = config, config
         self.group = world_group(group)
         self.rank, self.world = int(self.group.rank), int(self.group.size)
-        self.task = make_task(cfg.task, **cfg.task_params)
+        self.task = make_task(cfg.task.name, **cfg.task.params)
         self.tokenizer = self.task.tokenizer
-        self.stream = PromptStream(self.task, cfg.seed, cfg.dataset_size)
+        self.stream = PromptStream(self.task, cfg.seed, cfg.task.dataset_size)
         self._groups(cfg)
         model = build_model(cfg, self.tokenizer, cfg.seed)
         self.model_config = model.config
         full = {n: p.asnumpy() for n, p in model.parameters_and_names()}
-        self.model = model if cfg.tp == 1 else training_shard(model, self.tp_group)
+        self.model = model if cfg.parallel.tp == 1 else training_shard(model, self.tp_group)
         # Only the training model starts from the initial weights; the other two start elsewhere
         # and get theirs through weight sync, which is what the tests check.
         self.infer_model = build_model(cfg, self.tokenizer, cfg.seed + 1000)
         self.ref_model = build_model(cfg, self.tokenizer, cfg.seed + 2000)
         self.actor, owner = None, None
-        if cfg.pp > 1:  # micro-batches of one mini-batch: the pipeline's m
-            m = -(-cfg.prompts_per_step * cfg.samples_per_prompt // cfg.updates_per_rollout // cfg.micro_batch_size)
-            self.actor = PipelinedActor(model, self.group, m, cfg.micro_batch_size, cfg.max_pack_len, cfg)
+        if cfg.parallel.pp > 1:  # micro-batches of one mini-batch: the pipeline's m
+            rows, samples = cfg.packing.micro_batch_size, cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+            m = -(-samples // cfg.optimizer.updates_per_rollout // rows)
+            self.actor = PipelinedActor(model, self.group, m, rows, cfg.packing.max_len, cfg)
             owner = owners(full, self.model_config.num_hidden_layers, self.actor.schedule)
-        self.sync = WeightSync(self.model_config, self.group, cfg.optimizer_shard, cfg.tp, owner)
+        self.sync = WeightSync(self.model_config, self.group, cfg.parallel.optimizer_shard, cfg.parallel.tp, owner)
         self.master = {n: Parameter(Tensor(full[n][self.sync.master_slice(n)].copy()), name=f"master.{n}")
                        for n in self.sync.master if self.sync.held(n)}  # fmt: skip
         self.ref_shards = {n: p.asnumpy().copy() for n, p in self.master.items()}
         self.trainable = [p.name for p in self.model.trainable_params() if p.name in self.master]
-        self.optimizer = nn.Adam([self.master[n] for n in self.trainable], learning_rate=cfg.lr)
+        self.optimizer = nn.Adam([self.master[n] for n in self.trainable], learning_rate=cfg.optimizer.lr)
         # the TP shard's collectives run on the host, between compiled pieces: eager under tp > 1;
         # under pp > 1 the whole rollout model gives the old log-probs (the same weights)
-        policy_model = self.infer_model if cfg.pp > 1 else self.model
-        self.policy = PolicyFunctions(policy_model, cfg.clip_eps, cfg.kl_coef, cfg.jit and cfg.tp == 1)
-        self.reference = PolicyFunctions(self.ref_model, cfg.clip_eps, cfg.kl_coef, cfg.jit)
-        mode = cfg.rollout_mode if cfg.rollout_mode != "auto" else ("jit" if cfg.jit else "paged")
-        if engine is None and cfg.rollout_engine == "vllm":
+        policy_model = self.infer_model if cfg.parallel.pp > 1 else self.model
+        loss = cfg.loss
+        self.policy = PolicyFunctions(policy_model, loss.clip_eps, loss.kl_coef, cfg.jit and cfg.parallel.tp == 1)
+        self.reference = PolicyFunctions(self.ref_model, loss.clip_eps, loss.kl_coef, cfg.jit)
+        rollout = cfg.rollout
+        mode = rollout.mode if rollout.mode != "auto" else ("jit" if cfg.jit else "paged")
+        if engine is None and rollout.engine == "vllm":
             from .vllm_engine import VllmEngine
 
             engine = VllmEngine.from_model(self.infer_model, self.tokenizer, cfg)
-        self.engine = engine or EmbeddedEngine(self.infer_model, self.tokenizer.eos_id, cfg.temperature, mode,
-                                               cfg.block_size)  # fmt: skip
+        self.engine = engine or EmbeddedEngine(self.infer_model, self.tokenizer.eos_id, rollout.temperature, mode,
+                                               rollout.block_size)  # fmt: skip
         self.step_count, self.history, self.length_memory = 0, [], {}
         self.last_sync = self._sync_all(ref=True)
         self._ms = ms
@@ -98,14 +101,15 @@ class GRPOTrainer:
     def _groups(self, cfg: TrainConfig) -> None:
         """DP, TP and PP sizes and groups of this run: DP replicas of tp consecutive ranks, or one
         pipeline over every rank."""
-        if self.world % cfg.tp or (cfg.pp > 1 and self.world != cfg.pp):
-            raise RLHFError(f"config tp={cfg.tp}, pp={cfg.pp} do not fit the {self.world} ranks of this run "
+        tp, pp = cfg.parallel.tp, cfg.parallel.pp
+        if self.world % tp or (pp > 1 and self.world != pp):
+            raise RLHFError(f"config parallel.tp={tp}, parallel.pp={pp} do not fit the {self.world} ranks of this run "
                             "(tp must divide them; pipeline training runs on exactly pp ranks)")  # fmt: skip
-        self.tp, self.pp = cfg.tp, cfg.pp
-        self.dp = self.world // (cfg.tp * cfg.pp)
-        self.dp_rank = self.rank // cfg.tp if cfg.pp == 1 else 0
-        self.tp_group, self.dp_group = tp_and_dp_groups(self.group, cfg.tp)
-        if cfg.pp > 1:
+        self.tp, self.pp = tp, pp
+        self.dp = self.world // (tp * pp)
+        self.dp_rank = self.rank // tp if pp == 1 else 0
+        self.tp_group, self.dp_group = tp_and_dp_groups(self.group, tp)
+        if pp > 1:
             self.dp_group = SingleProcessGroup()
 
     # ------------------------------------------------------------------------------- weight sync
@@ -118,16 +122,17 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------- rollout
     def _rollout(self, batch) -> tuple[list, list, dict]:
-        cfg, n = self.config, self.config.samples_per_prompt
+        cfg = self.config.rollout
+        n = cfg.samples_per_prompt
         prompts = [self.tokenizer.encode(p.text) for _, p in batch for _ in range(n)]
-        requests = [Request(r, tuple(prompts[r]), (cfg.seed, self.step_count, r), cfg.max_new_tokens)
+        requests = [Request(r, tuple(prompts[r]), (self.config.seed, self.step_count, r), cfg.max_new_tokens)
                     for r in range(len(prompts))]  # fmt: skip
         predicted = [self.length_memory.get(str(idx), cfg.max_new_tokens) for idx, _ in batch for _ in range(n)]
-        instances = self.world * cfg.rollout_instances
-        assignment = split(cfg.rollout_strategy, len(batch), n, instances, predicted)
+        instances = self.world * cfg.instances
+        assignment = split(cfg.strategy, len(batch), n, instances, predicted)
         per_batch = -(-len(requests) // instances)
         mine, times = [], []
-        for k in range(self.rank * cfg.rollout_instances, (self.rank + 1) * cfg.rollout_instances):
+        for k in range(self.rank * cfg.instances, (self.rank + 1) * cfg.instances):
             start = time.perf_counter()
             mine.append(self.engine.generate([requests[r] for r in assignment.instances[k]], batch=per_batch))
             times.append(time.perf_counter() - start)
@@ -138,8 +143,8 @@ class GRPOTrainer:
             per_instance.append(flat[i : i + len(inst)])
             i += len(inst)
         completions = assignment.restore(per_instance)
-        inst_times = np.zeros(self.world * cfg.rollout_instances)
-        inst_times[self.rank * cfg.rollout_instances : (self.rank + 1) * cfg.rollout_instances] = times
+        inst_times = np.zeros(self.world * cfg.instances)
+        inst_times[self.rank * cfg.instances : (self.rank + 1) * cfg.instances] = times
         self.group.all_reduce(inst_times)
         return prompts, completions, {"rollout_makespan_s": float(inst_times.max()),
                                       "rollout_sum_s": float(inst_times.sum())}  # fmt: skip
@@ -148,25 +153,25 @@ class GRPOTrainer:
     def step(self) -> dict:
         """Run one GRPO step; returns its metrics."""
         cfg, t0 = self.config, time.perf_counter()
-        batch = self.stream.next(cfg.prompts_per_step)
+        n, updates, packing = cfg.rollout.samples_per_prompt, cfg.optimizer.updates_per_rollout, cfg.packing
+        batch = self.stream.next(cfg.rollout.prompts_per_step)
         prompts, completions, metrics = self._rollout(batch)
-        rewards = [self.task.reward(p, c.tokens) for (_, p), c in zip(_repeat(batch, cfg.samples_per_prompt),
-                                                                       completions)]  # fmt: skip
-        exp = make_experience(prompts, completions, rewards, cfg.samples_per_prompt)
+        rewards = [self.task.reward(p, c.tokens) for (_, p), c in zip(_repeat(batch, n), completions)]
+        exp = make_experience(prompts, completions, rewards, n)
         self._remember_lengths(batch, exp)
         t_train = time.perf_counter()
         total = len(exp.sequences)
-        size = total // cfg.updates_per_rollout
+        size = total // updates
         width = None  # eager: each micro-batch as wide as its rows
-        if self.pp > 1 or (cfg.jit and cfg.packing):  # one shape: one pipeline, one compiled graph
-            width = cfg.max_pack_len
+        if self.pp > 1 or (cfg.jit and packing.enabled):  # one shape: one pipeline, one compiled graph
+            width = packing.max_len
         elif cfg.jit:
-            width = max(len(p) for p in prompts) + cfg.max_new_tokens
+            width = max(len(p) for p in prompts) + cfg.rollout.max_new_tokens
         plans, pack_stats = [], {"packs": 0, "pack_lower_bound": 0, "row_tokens": 0, "pad_tokens": 0}
-        for u in range(cfg.updates_per_rollout):
+        for u in range(updates):
             samples = range(u * size, (u + 1) * size)
-            mbs, stats = micro_batches(exp, samples, self.dp_rank, self.dp, cfg.packing, cfg.max_pack_len,
-                                       cfg.max_pack_count, cfg.micro_batch_size, width)  # fmt: skip
+            mbs, stats = micro_batches(exp, samples, self.dp_rank, self.dp, packing.enabled, packing.max_len,
+                                       packing.max_count, packing.micro_batch_size, width)  # fmt: skip
             for k in pack_stats:
                 pack_stats[k] += stats[k]
             # old-policy and reference log-probs, before any update of this rollout
@@ -178,7 +183,8 @@ class GRPOTrainer:
         for samples, mbs, olds, refs in plans:
             sums = sums + self._update(exp, samples, mbs, olds, refs)
         train_s = time.perf_counter() - t_train
-        ref_sync = bool(cfg.ref_sync_every) and (self.step_count + 1) % cfg.ref_sync_every == 0
+        every = cfg.loss.ref_sync_every
+        ref_sync = bool(every) and (self.step_count + 1) % every == 0
         if ref_sync:
             self.ref_shards = {n: p.asnumpy().copy() for n, p in self.master.items()}
         sync = self._sync_all(ref=ref_sync)
@@ -189,10 +195,10 @@ class GRPOTrainer:
             step=self.step_count,
             reward=float(exp.rewards.mean()),
             accuracy=float((exp.rewards == 1.0).mean()),
-            loss=sums.loss / cfg.updates_per_rollout,
-            pg=_per(sums.pg, cfg.updates_per_rollout),  # None under pp > 1 (the loss alone comes back)
-            kl=_per(sums.kl, cfg.updates_per_rollout),
-            clip_frac=_per(sums.clipped, loss_tokens * cfg.updates_per_rollout),
+            loss=sums.loss / updates,
+            pg=_per(sums.pg, updates),  # None under pp > 1 (the loss alone comes back)
+            kl=_per(sums.kl, updates),
+            clip_frac=_per(sums.clipped, loss_tokens * updates),
             response_len=float(exp.response_lens.mean()),
             train_s=train_s,
             train_tokens_per_s=tokens / train_s,
@@ -207,7 +213,7 @@ class GRPOTrainer:
 
     def _update(self, exp, samples, mbs, olds, refs) -> LossStats:
         cfg = self.config
-        weights = weights_for(exp, samples, cfg.loss_aggregation)
+        weights = weights_for(exp, samples, cfg.loss.aggregation)
         if self.actor is not None:  # the pipeline runs every micro-batch in one step
             w = [[row_weights(r, weights) for r in mb.rows] for mb in mbs]
             loss, by_name = self.actor.loss_and_grads(mbs, w, exp.advantages, olds, refs)
@@ -222,9 +228,10 @@ class GRPOTrainer:
             grads.append(flat[offset : offset + a.size].reshape(a.shape))
             offset += a.size
         stats = LossStats.from_array(flat[offset:].astype(np.float64))
-        if cfg.max_grad_norm > 0:
+        clip = cfg.optimizer.max_grad_norm
+        if clip > 0:
             norm = self._grad_norm(grads)
-            scale = min(1.0, cfg.max_grad_norm / (norm + 1e-6))
+            scale = min(1.0, clip / (norm + 1e-6))
             grads = [g * np.float32(scale) for g in grads] if scale < 1.0 else grads
         Tensor = self._ms.Tensor
         self.optimizer(tuple(Tensor(np.ascontiguousarray(g[self.sync.master_in_train(n)]))
@@ -276,16 +283,16 @@ class GRPOTrainer:
         return float(out[0])
 
     def _remember_lengths(self, batch, exp) -> None:
-        n = self.config.samples_per_prompt
+        n = self.config.rollout.samples_per_prompt
         for g, (idx, _) in enumerate(batch):
             self.length_memory[str(idx)] = float(exp.response_lens[g * n : (g + 1) * n].mean())
 
     # ------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, directory: str | None = None) -> str:
         """Write a checkpoint of the current step (collective over the ranks)."""
-        directory = directory or self.config.checkpoint_dir
+        directory = directory or self.config.checkpoint.dir
         if not directory:
-            raise RLHFError("no checkpoint directory: set checkpoint_dir in the config")
+            raise RLHFError("no checkpoint directory: set checkpoint.dir in the config")
         arrays = {f"master.{n}": p.asnumpy() for n, p in self.master.items()}
         arrays.update({f"ref.{n}": a for n, a in self.ref_shards.items()})
         arrays.update({f"optim.{n}": p.asnumpy() for n, p in self.optimizer.parameters_and_names()
@@ -302,19 +309,19 @@ class GRPOTrainer:
                 "length_memory": self.length_memory,
                 "history": self.history,
             }
-        return checkpoint.save(directory, self.step_count, arrays, state, self.group, self.config.keep_checkpoints)
+        return checkpoint.save(directory, self.step_count, arrays, state, self.group, self.config.checkpoint.keep)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore a checkpoint written by save_checkpoint, then reshard the restored weights into
         the training, rollout and reference models. A checkpoint of another number of ranks or
         optimizer sharding is resharded into this run's layout first (elastic.py)."""
         path = checkpoint.resolve(path)
-        manifest = checkpoint.read_manifest(path)
+        manifest = checkpoint.read_manifest(path)  # read once: both paths verify against it
         state = checkpoint.read_state(path, manifest)
         rank, layout = int(self.group.ranks[self.rank]), elastic.run_layout(self.config)
         saved = elastic.saved_layout(path, state, manifest["world_size"])
         if (manifest["world_size"], saved) == (self.world, layout):
-            arrays, state = checkpoint.load(path, rank, self.world)
+            arrays = checkpoint.load_arrays(path, manifest, rank)
         else:
             arrays = elastic.load(path, manifest, state, self.model_config, rank, self.world, layout)
             log.info("resharded %s from %d to %d ranks", path, manifest["world_size"], self.world)

@@ -54,25 +54,25 @@ class VllmEngine:
 
             import ms_vllm  # noqa: F401  (the plugin must be installed for vLLM to find MindSpore)
         except ImportError as exc:
-            raise RLHFError(f"rollout_engine='vllm' needs vllm and ms-vllm installed: {exc}") from None
+            raise RLHFError(f"rollout.engine='vllm' needs vllm and ms-vllm installed: {exc}") from None
         import ms_models
 
         path = workdir or tempfile.mkdtemp(prefix="ms_rlhf_vllm_")
         ms_models.save_safetensors(model, path)
-        longest = 64 + config.max_new_tokens
+        longest = 64 + config.rollout.max_new_tokens
         args = dict(
             model=path,
             skip_tokenizer_init=True,  # the task's char tokenizer is not an HF one: token ids in and out
             max_model_len=longest,
-            block_size=config.block_size,
-            max_num_seqs=config.prompts_per_step * config.samples_per_prompt,
+            block_size=config.rollout.block_size,
+            max_num_seqs=config.rollout.prompts_per_step * config.rollout.samples_per_prompt,
             kv_cache_memory_bytes=16 << 20,
             enable_prefix_caching=False,
             enforce_eager=True,
             seed=config.seed,
         )
         args.update(llm_kwargs)
-        return cls(LLM(**args), tokenizer.eos_id, config.temperature)
+        return cls(LLM(**args), tokenizer.eos_id, config.rollout.temperature)
 
     def weight_targets(self) -> dict[str, object]:
         if self._targets is None:

@@ -116,6 +116,8 @@ def fuse_shapes(
 ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], int]]:
     """{name: (shape, part sizes, part dim)} after fusing every complete group of parts; names that
     are not fused (a lone part included) get part sizes ()."""
+    if not rules:
+        return {name: (tuple(shape), (), 0) for name, shape in shapes.items()}
     out: dict[str, tuple[tuple[int, ...], tuple[int, ...], int]] = {}
     groups: dict[str, dict[int, str]] = {}
     # Parsed once per name, and only names whose module (the second-last dotted component, what

@@ -261,8 +261,7 @@ def model_plan(
     for name in sorted(dst):
         spec = dst[name]
         s = src.get(name)
-        if s is not None:
-            used.add(name)
+        if s is not None:  # (used: a name on both sides is)
             if not (s.parts or spec.parts):
                 found = pairs.get((id(s), id(spec)))
                 if found is None:
@@ -278,7 +277,7 @@ def model_plan(
             used.add(fused[0])
         else:
             raise ReshardError(f"no source for target parameter {name!r}: not in the source, no fusion rule maps it")
-    unused = tuple(sorted(set(src) - used))
+    unused = tuple(sorted(n for n in src if n not in dst and n not in used))
     if unused and not allow_unused:
         raise ReshardError(f"{len(unused)} source parameters have no target, e.g. {list(unused[:5])}")
     return ModelPlan(dict(src), dict(dst), tuple(moves), unused)

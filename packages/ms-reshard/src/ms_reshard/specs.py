@@ -97,7 +97,12 @@ class _Placer:
                 found = self.experts.get(key)
                 if found is None:
                     found = self.experts[key] = self._parse(name, ndim)[:2]
-                return self._at(found[0], found[1], self._owner(int(number)))
+                expert = int(number)
+                if expert < self.num_experts:  # (else _owner raises)
+                    layout = self.layouts.get((found[0], found[1], expert // self.per_owner))
+                    if layout is not None:
+                        return layout
+                return self._at(found[0], found[1], self._owner(expert))
         return self._at(*self._parse(name, ndim))
 
     def _owner(self, expert: int) -> int:

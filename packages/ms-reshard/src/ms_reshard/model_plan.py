@@ -255,9 +255,9 @@ def model_plan(
     moves: list[PartMove] = []
     used: set[str] = set()
     # param_specs gives one ParamSpec object per distinct spec, so a model of 45k names has a few
-    # thousand (source spec, target spec) pairs: each pair is planned once (src and dst keep the
-    # specs alive, so ids are theirs for this call)
-    pairs: dict[tuple[int, int], TensorPlan] = {}
+    # thousand (source spec, target spec) pairs: each pair is planned once (the entry keeps both
+    # specs alive, so their ids stay theirs even if a Mapping made them on the fly)
+    pairs: dict[tuple[int, int], tuple[ParamSpec, ParamSpec, TensorPlan]] = {}
     for name in sorted(dst):
         spec = dst[name]
         s = src.get(name)
@@ -265,8 +265,8 @@ def model_plan(
             if not (s.parts or spec.parts):
                 found = pairs.get((id(s), id(spec)))
                 if found is None:
-                    found = pairs[id(s), id(spec)] = _move(cache, name, s, name, spec).plan
-                moves.append(_whole(name, found))
+                    found = pairs[id(s), id(spec)] = (s, spec, _move(cache, name, s, name, spec).plan)
+                moves.append(_whole(name, found[2]))
                 continue
             moves += _same_name(cache, name, s, spec)
         elif (split := part_names(name, fusions)) and all(p in src for p in split[0]):

@@ -1,6 +1,6 @@
 """Overhead of the ms-monitor agent on a 50 ms training step, against the same step without it.
 
-    python benchmarks/bench_monitor.py [--quick] [--detector] [--out benchmarks/results/monitor.json]
+    python benchmarks/bench_monitor.py [--quick] [--detector | --loaded] [--out benchmarks/results/monitor.json]
 
 Two step bodies of about 50 ms: a sleep (a step that waits, as on an accelerator) and numpy work on
 one CPU thread (a step that competes with the agent's shipper thread for the CPU and the GIL).
@@ -21,8 +21,15 @@ the default detector (also with descheduling bursts on every rank, the straggler
 its first version (3 slow steps and 0.5 s of excess, no windowed test);
 and the false alerts on the recorded loaded-host replay
 (`packages/ms-monitor/tests/data/loaded_host_busy.json`: alerts before the injected straggler or for
-another rank) and on clean noisy runs with descheduling bursts (a rank at 3-6x its busy time for 3-5
-steps, at 0.02 bursts per rank and step, 1.5x the rate recorded on the loaded 2-core host, and 0.04).
+another rank; the same on the real 2-rank runs of the third section recorded in
+`tests/data/loaded_box_2ranks.json`, also with the `slow_steps` of before, 6) and on clean noisy
+runs with descheduling bursts (a rank at 3-6x its busy time for 3-5 steps, at 0.02 bursts per rank
+and step, 1.5x the rate recorded on the loaded 2-core host, and 0.04).
+
+A third section (`loaded_rows`, `loaded_runs`, `loaded_*` summary keys; alone with `--loaded`, which
+keeps the rest of `--out`; left out with `--quick`) is real, not replayed: 2 gloo rank processes run
+250 steps of ~50 ms numpy work under the deployed agent and CLI daemon while load processes make
+the box busy, once clean and once with a 20 % straggler from step 100 (``_monitor_loaded.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from pathlib import Path
 
 import numpy as np
 from _common import machine_info, print_table, write_result
+from _monitor_loaded import loaded_runs
 
 from ms_monitor import Detector, DetectorConfig, Monitor
 
@@ -186,6 +194,8 @@ def rows_for(kind: str, times: dict[str, list[list[float]]], cpu: dict[str, floa
 
 
 REPLAY = Path(__file__).resolve().parent.parent / "packages/ms-monitor/tests/data/loaded_host_busy.json"
+#: real 2-rank runs of ``_monitor_loaded.py`` (two sittings, each clean + a 20 % straggler from step 100)
+REPLAY_2RANKS = REPLAY.parent / "loaded_box_2ranks.json"
 STRAGGLER_PCT = (5, 10, 15, 20, 30, 50, 100)
 
 
@@ -299,6 +309,30 @@ def detector_tradeoff(seeds: int = 30, ranks: int = 8, onset: int = 41, horizon:
                         "runs_with_an_alert": sum(a > 0 for a in alerts),
                     }
                 )
+    box = json.loads(REPLAY_2RANKS.read_text())["runs"]
+    box_configs = {**configs, "6 slow steps (before)": DetectorConfig(slow_steps=6)}
+    for name, cfg in box_configs.items():
+        onsets = [replay_onsets(cfg, rec) for rec in box]
+        false_rows.append(
+            {
+                "data": "loaded-box 2-rank runs",
+                "ranks": 2,
+                "runs": f"{len(box)} x {len(box[0]['steps'])} steps",
+                "burst_rate": "recorded",
+                "detector": name,
+                "false_alerts": sum(
+                    1
+                    for rec, o in zip(box, onsets)
+                    for r, s in o
+                    if rec["slow_rank"] is None or r != rec["slow_rank"] or s < rec["onset"]
+                ),
+                "straggler_steps_to_alert": [
+                    next((s - rec["onset"] + 1 for r, s in o if r == rec["slow_rank"] and s >= rec["onset"]), None)
+                    for rec, o in zip(box, onsets)
+                    if rec["slow_rank"] is not None
+                ],
+            }
+        )
     by_pct = {r["straggler_pct"]: r for r in rows}
     summary = {
         "steps_to_alert_20pct": by_pct[20]["worst_steps"],
@@ -313,10 +347,32 @@ def detector_tradeoff(seeds: int = 30, ranks: int = 8, onset: int = 41, horizon:
         "false_alerts_noisy_runs_first_version": sum(
             r["false_alerts"] for r in false_rows[2:] if r["detector"] == "first version" and r["burst_rate"] == 0.02
         ),
+        "false_alerts_loaded_box_replay": false_rows[-3]["false_alerts"],
+        "false_alerts_loaded_box_replay_6_slow_steps": false_rows[-1]["false_alerts"],
+        "loaded_box_replay_straggler_steps_to_alert": false_rows[-3]["straggler_steps_to_alert"],
         "noisy_runs": f"{2 * seeds} x 250 steps (4 and 8 ranks, sigma 0.08, 3-5 step bursts at 3-6x, 0.02/rank/step)",
         "straggler_runs": f"{seeds} seeds, {ranks} ranks, sigma 0.05, onset at step {onset}, {horizon} steps watched",
     }
     return rows, false_rows, summary
+
+
+def loaded_section() -> dict:
+    """The real runs on a loaded box (``_monitor_loaded.py``): rows, runs and summary keys."""
+    reps = _calibrate_compute(STEP_S * 0.9)  # before the load starts; the all-reduce adds the rest
+    rows, runs, summary = loaded_runs(reps)
+    print_table(rows, "monitor: real 2-rank runs on a loaded box (250 steps each), step and busy times per rank")
+    print_table(
+        [
+            {k: v for k, v in r.items() if k not in ("alerts", "steps", "ranks", "step_ms", "busy_ms")}
+            | {"alerts": len(r["alerts"])}
+            for r in runs
+        ],
+        "monitor: loaded-box runs, load and alerts",
+    )
+    for r in runs:
+        for a in r["alerts"]:
+            print(f"  {r['run']}: rank {a['rank']} {a['kind']} at step {a['step']}: {a['message']}")
+    return {"loaded_rows": rows, "loaded_runs": runs, "loaded_summary": summary}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -326,14 +382,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--detector", action="store_true", help="only the detector trade-off; keep the overhead rows already in --out"
     )
+    parser.add_argument(
+        "--loaded", action="store_true", help="only the real runs on a loaded box; keep the rest of --out"
+    )
     args = parser.parse_args(argv)
     start = time.perf_counter()
+    if args.loaded:
+        result = json.loads(args.out.read_text()) if args.out.exists() else {"benchmark": "monitor", "summary": {}}
+        result.update(loaded_section())
+        result["summary"] = {**result.get("summary", {}), **result.pop("loaded_summary")}
+        result["loaded_wall_s"] = round(time.perf_counter() - start, 1)
+        write_result(args.out, result)
+        return 0
     detector_rows, false_alert_rows, summary = detector_tradeoff(seeds=5 if args.quick else 30)
     print_table(detector_rows, "monitor: slow-rank detector, straggler size vs steps from its onset to the alert")
     print_table(false_alert_rows, "monitor: slow-rank false alerts")
     if args.detector:
         result = json.loads(args.out.read_text()) if args.out.exists() else {"benchmark": "monitor", "rows": []}
-        result.update(detector_rows=detector_rows, false_alert_rows=false_alert_rows, summary=summary)
+        result.update(detector_rows=detector_rows, false_alert_rows=false_alert_rows)
+        result["summary"] = {**result.get("summary", {}), **summary}  # the loaded-box keys stay
         result["detector_wall_s"] = round(time.perf_counter() - start, 1)
         write_result(args.out, result)
         return 0
@@ -375,6 +442,10 @@ def main(argv: list[str] | None = None) -> int:
         "false_alert_rows": false_alert_rows,
         "summary": summary,
     }
+    if not args.quick:  # last: its load processes must not slow the overhead rows
+        result.update(loaded_section())
+        result["summary"] = {**summary, **result.pop("loaded_summary")}
+        result["wall_s"] = round(time.perf_counter() - start, 1)
     write_result(args.out, result)
     return 0
 

@@ -87,7 +87,7 @@ def test_injected_straggler_flagged_within_slow_steps():
     cfg = DetectorConfig(slow_excess_seconds=0.0)
     alerts = run(Detector(cfg), steps)
     slow = [a for a in alerts if a.kind == "slow_rank"]
-    assert [(a.rank, a.step) for a in slow] == [(5, onset + cfg.slow_steps - 1)]  # its 6th slow step
+    assert [(a.rank, a.step) for a in slow] == [(5, onset + cfg.slow_steps - 1)]  # its 10th slow step
     assert slow[0].value / slow[0].reference == pytest.approx(1.6, rel=0.1)
 
 
@@ -121,12 +121,13 @@ def replay(detector, rec):
 def test_loaded_host_replay_finds_the_straggler_and_nothing_else():
     """Busy times recorded from the 4-rank gloo job on a 2-core host at load ~10: single ranks were
     descheduled for 3-5 steps at 2-6x their peers; the sleeping rank (250 ms, 12-30x its peers) is
-    flagged at its 6th slow step (slow_steps: a burst lasts up to 5), and nothing else is."""
+    flagged at its 10th slow step (slow_steps: a burst lasted up to 5 steps here, 8 on 2 ranks), and
+    nothing else is."""
     runs = json.loads((Path(__file__).parent / "data" / "loaded_host_busy.json").read_text())["runs"]
     for rec in runs:
         raised = replay(Detector(), rec)
         assert [a.rank for a in raised] == [rec["slow_rank"]]
-        assert raised[0].step == rec["onset"] + 5
+        assert raised[0].step == rec["onset"] + DetectorConfig().slow_steps - 1
     # 3 slow steps without the excess condition raise false alerts on the same data (what this test guards)
     loose = DetectorConfig(slow_steps=3, slow_excess_seconds=0.0, slow_window=0)
     false = [a for rec in runs for a in replay(Detector(loose), rec)]
@@ -154,7 +155,7 @@ def test_no_false_alert_in_250_noisy_steps_with_descheduling_bursts():
     assert blamed_by_first_version >= 5
 
 
-def window_reference(steps, rank, window=15, share=0.85, ratio=1.07, spread=1.5, warmup=3, resolve=6):
+def window_reference(steps, rank, window=15, share=0.85, ratio=1.07, spread=1.5, warmup=3, resolve=10):
     """The windowed test recomputed with numpy: the steps at which it raises and resolves for `rank`."""
     busy = np.array([[s[r] for r in sorted(s)] for s in steps])[warmup:]
     ratios = busy[:, rank] / np.median(np.delete(busy, rank, axis=1), axis=1)
@@ -186,10 +187,29 @@ def test_20pct_straggler_raised_within_15_steps_and_resolved_after_it_recovers()
         assert (slow[0].step, slow[0].resolved_step) == window_reference(steps, 7), seed
 
 
+def test_real_2_rank_runs_on_a_loaded_box():
+    """Busy times the daemon received from real 2-rank runs on a loaded 2-core host (run queue 5.6-8.1,
+    ``benchmarks/_monitor_loaded.py``): in the clean runs one rank fell behind the other at 1.3-1.8x
+    for up to 8 steps in a row, which 6 slow steps in a row (the default before) raised; nothing is
+    raised now, and the 20 % straggler is raised by the windowed test at the step a numpy
+    recomputation of it gives, for rank 1 only."""
+    runs = json.loads((Path(__file__).parent / "data" / "loaded_box_2ranks.json").read_text())["runs"]
+    for rec in runs:
+        raised = replay(Detector(), rec)
+        if rec["slow_rank"] is None:
+            assert raised == [], rec["name"]
+            continue
+        assert {a.rank for a in raised} == {1} and raised[0].step >= rec["onset"], rec["name"]
+        steps = [dict(zip(rec["ranks"], (row[j] / 1e3 for row in rec["busy_ms"]))) for j in range(len(rec["steps"]))]
+        assert raised[0].step == window_reference(steps, 1)[0], rec["name"]
+    before = DetectorConfig(slow_steps=6)
+    assert [a for rec in runs if rec["slow_rank"] is None for a in replay(Detector(before), rec)]
+
+
 def test_windowed_test_exact_steps_without_noise():
     # peers at exactly 50 ms, rank 3 at 60 ms from step 11 to 40: the 13th elevated step of the window
     # (13 = 0.85 x 15, rounded up) raises; after the recovery at step 41 the count falls to 12 at step
-    # 43, then 6 good steps in a row resolve (step 48)
+    # 43, then 10 good steps in a row (max(slow_steps, hold_steps)) resolve (step 52)
     steps = [{r: 0.06 if r == 3 and 11 <= i <= 40 else 0.05 for r in range(4)} for i in range(1, 61)]
     det = Detector()
     out = []
@@ -198,7 +218,7 @@ def test_windowed_test_exact_steps_without_noise():
             out += det.update_rank(rank, step, t)
         out += det.update_step(step, busy)
     assert len(out) == 2 and out[0] is out[1]
-    assert (out[0].rank, out[0].kind, out[0].step, out[0].resolved_step) == (3, "slow_rank", 23, 48)
+    assert (out[0].rank, out[0].kind, out[0].step, out[0].resolved_step) == (3, "slow_rank", 23, 52)
     assert out[0].value / out[0].reference == pytest.approx(1.2)
 
 

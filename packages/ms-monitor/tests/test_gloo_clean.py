@@ -25,9 +25,8 @@ def synthetic_rank(group, addr, steps):
                 time.sleep(0.05)  # well above the scheduler's latency on a loaded host
             with mon.range("allreduce", kind="comm"):
                 group.all_reduce(buf)
-    stats = mon.stats()
-    mon.close()
-    return stats
+    mon.close(timeout=30.0)  # flush all: on a loaded host the default 2 s can end the rank with samples queued
+    return mon.stats()
 
 
 def test_clean_250_step_run_raises_no_alert(daemon):

@@ -167,6 +167,6 @@ def test_four_rank_job_monitored_traced_and_straggler_found(tmp_path, sock_dir):
     assert not errors, errors
     assert alert["rank"] == SLOW_RANK
     first_slow = results[SLOW_RANK]["first_slow"]
-    assert first_slow <= alert["step"] <= first_slow + 5  # by its 6th slow step (slow_steps: a burst lasts 3-5)
+    assert first_slow <= alert["step"] <= first_slow + 9  # by its 10th slow step (slow_steps: longer than a burst)
     assert [a for a in during if a["rank"] != SLOW_RANK] == []  # no other rank is blamed
     assert all(r["connects"] >= 2 for r in results)  # every agent reconnected to the new daemon

@@ -21,28 +21,28 @@ def test_slow_rank_waits_for_all_live_ranks_of_a_step():
     for r in range(4):
         store.connected(r, {"host": "h", "role": "agent"})
     alerts = []
-    for step in range(1, 12):
+    for step in range(1, 16):
         for r in range(4):
             busy_extra = 0.3 if (r == 1 and step >= 6) else 0.0  # 0.5 s of excess within 2 steps
             alerts += store.add([s(r, step, dt=0.05 + busy_extra, ct=0.01)])
     slow = [a for a in alerts if a["kind"] == "slow_rank"]
-    assert [(a["event"], a["rank"], a["step"]) for a in slow] == [("raised", 1, 11)]  # its 6th slow step
+    assert [(a["event"], a["rank"], a["step"]) for a in slow] == [("raised", 1, 15)]  # its 10th slow step
     status = store.status()
-    assert [r["last_step"] for r in status["ranks"]] == [11] * 4
+    assert [r["last_step"] for r in status["ranks"]] == [15] * 4
     assert status["alerts"][0]["rank"] == 1 and status["alerts"][0]["kind"] == "slow_rank"
 
 
 def test_alert_raised_and_resolved_in_one_batch_is_kept_with_both_events():
     store = Store()
     batch = [
-        s(r, step, dt=0.05 + (0.3 if r == 1 and 5 <= step <= 12 else 0.0)) for step in range(1, 22) for r in (0, 1, 2)
+        s(r, step, dt=0.05 + (0.3 if r == 1 and 5 <= step <= 16 else 0.0)) for step in range(1, 30) for r in (0, 1, 2)
     ]
     events = store.add(batch)
-    # raised on the 6th slow step (10), resolved on the 6th normal one (18): slow_steps both ways
+    # raised on the 10th slow step (14), resolved on the 10th normal one (26): slow_steps both ways
     slow = [(e["event"], e["active"], e["step"]) for e in events if e["kind"] == "slow_rank"]
-    assert slow == [("raised", True, 10), ("resolved", False, 10)]
+    assert slow == [("raised", True, 14), ("resolved", False, 14)]
     assert [(a["kind"], a["active"], a["resolved_step"]) for a in store.status()["alerts"]] == [
-        ("slow_rank", False, 18)
+        ("slow_rank", False, 26)
     ]
 
 

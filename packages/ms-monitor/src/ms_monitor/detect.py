@@ -9,8 +9,9 @@ Three detectors, each robust to the odd slow step that every busy machine produc
   the median of the other ranks by ``slow_ratio`` *and* by ``slow_z`` robust standard deviations
   (1.4826 x MAD) of the others. Two tests raise the alert, both built to ignore a rank the host
   deschedules for a moment (on a loaded machine one rank's busy time can be 3-6x its peers' for
-  3-5 steps in a row, measured on 4 ranks over 2 cores), which mostly its duration tells from a
-  straggler: ``slow_steps`` (6) slow steps in a row whose excess over the peers' median adds up to
+  3-5 steps in a row, measured on 4 ranks over 2 cores; with 2 ranks at a run queue of 6-8 on 2
+  cores, 1.3-2.8x for up to 8), which mostly its duration tells from a straggler: ``slow_steps``
+  (10) slow steps in a row whose excess over the peers' median adds up to
   ``slow_excess_seconds`` (a big straggler, raised fast), or, over the last ``slow_window`` steps, a
   share ``slow_window_fraction`` of steps at ``slow_window_ratio`` x the peers' median or more, with
   steady ratios (``slow_window_spread``): a small one. ``straggler.py`` says why that test, and what
@@ -51,8 +52,9 @@ class DetectorConfig:
     """a rank is slow in a step when its busy time is at least this multiple of the peers' median"""
     slow_z: float = 4.0
     """... and exceeds that median by this many robust standard deviations of the peers"""
-    slow_steps: int = 6
-    """consecutive slow steps that raise a slow-rank alert (a descheduling burst lasts 3-5)"""
+    slow_steps: int = 10
+    """consecutive slow steps that raise a slow-rank alert (a descheduling burst lasted 3-5 steps on 4
+    ranks at load 10, and up to 8 on 2 ranks at a run queue of 6-8 on 2 cores: was 6 until those runs)"""
     slow_excess_seconds: float = 0.5
     """... once the rank's busy time over its peers' median, summed over those steps, reaches this"""
     slow_window: int = 15

@@ -24,12 +24,22 @@ CASES = [
     (L22("tp", "None"), L4("None", "None"), (8, 4), {}, {}),  # two all-gathers
     (L22("tp", "None"), L4("None", "None"), (8, 4), {}, {"collectives": False}),  # same, as p2p
     (L4("tp", "None"), L4("None", "tp"), (8, 8), {"mem_cap": 32}, {}),  # rounds
+    # as point-to-point, boxes contiguous in the source shard only (and, reversed, the target only)
+    (L4("None", "tp"), L4("tp", "None"), (8, 8), {}, {"collectives": False}),
+    (L4("tp", "None"), L4("None", "tp"), (8, 8), {}, {"collectives": False}),
     (Layout((2,), ("tp",))("tp", "None"), Layout((2,), ("tp",), rank_list=(2, 3))("None", "tp"), (4, 6), {}, {}),
     (L22(("tp", "dp"), "None"), Layout((3,), ("x",), rank_list=(1, 2, 3))("None", "x"), (4, 6), {}, {}),
     (L22("tp", "None"), L4("None", "None"), (8, 4), {}, {"dtype": "int16"}),
     # multicast rows: one row per (piece, sender), spelled out as sends and receives per rank
     (Layout((2,), ("dp",))("dp", "None"), L4("None", "None"), (8, 4), {"multicast_min": 0}, {}),
     (L22(("tp", "dp"), "None"), L22("None", "tp"), (8, 4), {"multicast_min": 0}, {}),
+]
+
+
+MIXED = [
+    (L4("None", "tp"), L4("tp", "None"), (8, 8)),
+    (L4("tp", "None"), L4("None", "tp"), (8, 8)),
+    (L22("tp", "None"), L4("None", "None"), (8, 4)),
 ]
 
 
@@ -56,6 +66,21 @@ def rank_tensor_plans(group):
         groups = make_groups([p], group) if run_kw.get("collectives", True) else {}
         run_plan(p, group, s, out, groups, **run_kw)
         results.append(None if out is None else out.astype(np.float32))
+    # Three plans in one bucket, so that a peer gets several boxes in one batch: contiguous in the
+    # source shard only (MIXED[0]), in the target shard only ([1]), in both ([2]); with 16 B all
+    # travel as own messages, with 32 B the first two share the per-peer message. Both ends must
+    # agree on which message holds what.
+    for direct in (16, 32):
+        exchange.DIRECT_BYTES = direct
+        items, outs = [], []
+        for src, dst, shape in MIXED:
+            x = _global(shape)
+            s = np.ascontiguousarray(x[src.global_slice(shape, me)])
+            outs.append(np.zeros(dst.shard_shape(shape), np.float32))
+            items.append((plan(src, dst, shape), s, outs[-1], None))
+        exchange.run_plans(items, group, collectives=False)
+        results.append(outs)
+    exchange.DIRECT_BYTES = 256 << 10
     return results
 
 
@@ -72,6 +97,10 @@ def test_tensor_plans_on_four_gloo_ranks(run_ranks):
                 np.testing.assert_array_equal(got, x[dst.global_slice(shape, rank)], err_msg=f"case {k} rank {rank}")
             else:
                 assert got is None
+    for k in range(2):  # the mixed buckets
+        for rank in range(4):
+            for (_, dst, shape), got in zip(MIXED, results[rank][len(CASES) * 2 + k]):
+                np.testing.assert_array_equal(got, _global(shape)[dst.global_slice(shape, rank)], err_msg=f"{k} {rank}")
 
 
 SCENARIOS = {

@@ -125,11 +125,12 @@ class RunQueue:
         self._thread.join(2)
 
 
-def start_daemon(sock: str, jsonl: str) -> subprocess.Popen:
-    """The daemon as users start it (CLI, default detector), listening on a Unix socket."""
+def start_daemon(sock: str, jsonl: str | None = None) -> subprocess.Popen:
+    """The daemon as users start it (CLI, default detector), listening on a Unix socket; its
+    alerts also go to ``jsonl`` when given."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ms_monitor", "daemon", "--port", "-1", "--http-port", "-1"]
-        + ["--unix", sock, "--jsonl", jsonl],
+        [sys.executable, "-m", "ms_monitor", "daemon", "--port", "-1", "--http-port", "-1", "--unix", sock]
+        + (["--jsonl", jsonl] if jsonl else []),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

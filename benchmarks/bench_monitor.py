@@ -41,7 +41,6 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one compute thread: the agent's thread competes with it
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 from _common import machine_info, print_table, write_result
-from _monitor_loaded import loaded_runs
+from _monitor_loaded import loaded_runs, start_daemon
 
 from ms_monitor import Detector, DetectorConfig, Monitor
 
@@ -114,20 +113,6 @@ def calls_only(mon: Monitor, iters: int) -> float:
                 with mon.range(name, kind):
                     pass
     return (time.perf_counter() - t) / iters
-
-
-def start_daemon(sock: str) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ms_monitor", "daemon", "--port", "-1", "--http-port", "-1", "--unix", sock],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 30
-    while not os.path.exists(sock):
-        if time.monotonic() > deadline or proc.poll() is not None:
-            raise RuntimeError("the ms-monitor daemon did not start")
-        time.sleep(0.05)
-    return proc
 
 
 def thread_cpu(thread) -> float:

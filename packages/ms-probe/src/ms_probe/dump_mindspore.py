@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from .errors import ProbeError
-from .recorder import Recorder, call_stack
+from .recorder import Recorder
+from .stacks import call_stack
 
 log = logging.getLogger("ms_probe")
 
@@ -56,6 +57,7 @@ class MindSporeAdapter:
         self._tensor = ms.Tensor
         self._dtype = ms.dtype.Type
         self._host_view: bool | None = None  # decided at the first tensor (the context is set by then)
+        self._dtype_names: dict[Any, str] = {}
 
     def is_tensor(self, x: Any) -> bool:
         return isinstance(x, (self._tensor, np.ndarray))  # numpy: the values a compiled step's probes saw
@@ -75,14 +77,27 @@ class MindSporeAdapter:
                 a = x.asnumpy()
         else:
             a = x.asnumpy()
-        if a.dtype.kind == "V" or a.dtype.name == "bfloat16":  # ml_dtypes bfloat16: numpy cannot reduce it
+        if _unreducible(a.dtype):
             a = a.astype(np.float32)
         return a
 
     def dtype_name(self, x: Any) -> str:
         if isinstance(x, np.ndarray):
             return _mindspore_dtype_name(x.dtype.str)
-        return str(x.dtype)
+        name = self._dtype_names.get(x.dtype)
+        if name is None:  # str() of a MindSpore dtype costs more than a dict lookup
+            name = self._dtype_names[x.dtype] = str(x.dtype)
+        return name
+
+    def storage_key(self, x: Any) -> tuple | None:
+        """What identifies the tensor's values now (stats_cache.py): address, shape, strides,
+        dtype and version counter; a numpy array (a compiled step's probe) by its address."""
+        try:
+            if isinstance(x, np.ndarray):
+                return (x.__array_interface__["data"][0], x.shape, x.strides, x.dtype.str)
+            return (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, x._version)
+        except (AttributeError, RuntimeError, TypeError, ValueError):  # no address (not materialized)
+            return None
 
     def requires_grad(self, x: Any) -> bool | None:
         return None
@@ -91,6 +106,13 @@ class MindSporeAdapter:
         if isinstance(x, self._dtype):
             return {"type": "mindspore.dtype", "value": str(x)}
         return None
+
+
+@functools.cache
+def _unreducible(dtype: np.dtype) -> bool:
+    """ml_dtypes' bfloat16 (and other void types): numpy cannot reduce it (cached: `dtype.name`
+    costs microseconds a tensor)."""
+    return dtype.kind == "V" or dtype.name == "bfloat16"
 
 
 class _DLPack:

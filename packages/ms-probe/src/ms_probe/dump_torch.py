@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from .recorder import Recorder, call_stack
+from .recorder import Recorder
+from .stacks import call_stack
 
 # Torch warns once per module whose output is not a tensor (HF ModelOutput) or whose inputs need no
 # grad; both are expected here and say nothing to the user.
@@ -78,6 +79,14 @@ class TorchAdapter:
 
     def requires_grad(self, x: Any) -> bool | None:
         return bool(x.requires_grad)
+
+    def storage_key(self, x: Any) -> tuple | None:
+        """What identifies the tensor's values now (stats_cache.py): address, shape, strides, dtype,
+        device, `_version` (counts in-place updates) and requires_grad (part of the record)."""
+        try:
+            return (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x.device, x._version, x.requires_grad)
+        except (AttributeError, RuntimeError, TypeError, ValueError):  # no storage (meta, sparse)
+            return None
 
     def other_info(self, x: Any) -> dict[str, Any] | None:
         if isinstance(x, self.torch.dtype):

@@ -10,10 +10,8 @@ those w.r.t. the inputs as `output` (msprobe's convention).
 
 from __future__ import annotations
 
-import linecache
 import logging
 import os
-import sys
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,21 +21,13 @@ import numpy as np
 
 from .config import DumpConfig
 from .naming import api_item, module_item, param_grad_item
+from .stacks import call_stack
 from .stats import scalar_info, tensor_info
+from .stats_cache import StatsCache
 from .stats_worker import StatsWorker
 from .writer import DumpWriter
 
 log = logging.getLogger("ms_probe")
-
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
-# Frames of the frameworks' hook machinery say nothing about the user's code.
-_SKIP_FILES = (
-    os.sep + os.path.join("mindspore", "nn", "cell.py"),
-    os.sep + os.path.join("torch", "nn", "modules", "module.py"),
-    os.sep + os.path.join("torch", "utils", "hooks.py"),
-    os.sep + os.path.join("torch", "overrides.py"),
-)
-MAX_STACK_FRAMES = 40
 
 
 class Adapter(Protocol):
@@ -52,6 +42,10 @@ class Adapter(Protocol):
     def dtype_name(self, x: Any) -> str: ...
     def requires_grad(self, x: Any) -> bool | None: ...
     def other_info(self, x: Any) -> dict[str, Any] | None: ...
+
+    # Optional: a hashable key of the tensor's values (data address, shape, strides, dtype,
+    # version), or None; an adapter without it gets no statistics cache (stats_cache.py).
+    # def storage_key(self, x: Any) -> Hashable | None: ...
 
 
 @dataclass
@@ -68,30 +62,6 @@ class _Frame:
     stack: tuple[str, ...] | None = None
 
 
-def _framework_dirs() -> tuple[str, ...]:
-    """Install folders of the loaded frameworks: their internal frames are left out of stacks."""
-    dirs = [_PKG_DIR]
-    for name in ("mindspore", "torch"):
-        mod = sys.modules.get(name)
-        if mod is not None and getattr(mod, "__file__", None):
-            dirs.append(os.path.dirname(mod.__file__) + os.sep)
-    return tuple(dirs)
-
-
-def call_stack(skip: int = 2) -> tuple[str, ...]:
-    """The user's call stack, innermost first, in msprobe's stack.json line format."""
-    frames = []
-    skip_dirs = _framework_dirs()
-    f = sys._getframe(skip)
-    while f is not None and len(frames) < MAX_STACK_FRAMES:
-        filename = f.f_code.co_filename
-        if not filename.startswith(skip_dirs) and not filename.endswith(_SKIP_FILES):
-            code = linecache.getline(filename, f.f_lineno).strip()
-            frames.append(f"File {filename}, line {f.f_lineno}, in {f.f_code.co_name}, \n {code}")
-        f = f.f_back
-    return tuple(frames)
-
-
 class Recorder:
     """One rank's dump state across steps."""
 
@@ -103,10 +73,13 @@ class Recorder:
         self.events_in_step = 0
         self.dumped_steps: list[int] = []
         self._stats: StatsWorker | None = None  # async_dump: started at the first tensor
+        self._storage_key = getattr(adapter, "storage_key", None)
+        self.stats_cache = StatsCache()
         self._reset_step_state()
 
     # ------------------------------------------------------------------ steps
     def _reset_step_state(self) -> None:
+        self.stats_cache.clear()
         self.fwd_count: Counter = Counter()
         self.bwd_count: Counter = Counter()
         self.api_count: Counter = Counter()
@@ -149,6 +122,7 @@ class Recorder:
         self._flush_pending_grads()
         if self._stats is not None:
             self._stats.drain()
+        self.stats_cache.clear()  # the tensors may change before a later start()
         if not self.writer.data:
             msg = (
                 f"step {self.step} rank {self.rank}: no module or API call was recorded between start() and stop(): "
@@ -191,30 +165,52 @@ class Recorder:
         """The dump.json form of a (nested) value; tensors also go to .npy when `tensors`."""
         a = self.adapter
         if a.is_tensor(value):
-            arr = a.to_numpy(value)
-            later = self.cfg.async_dump and not tensors and self.cfg.summary_mode == "statistics"
-            info = tensor_info(
-                arr,
-                type_name=a.type_name,
-                dtype_name=a.dtype_name(value),
-                summary_mode=self.cfg.summary_mode,
-                requires_grad=a.requires_grad(value),
-                statistics=not later,
-            )
-            if later:  # async_dump: the worker thread fills the statistics; the tensor lives until then
-                if self._stats is None:
-                    self._stats = StatsWorker()
-                self._stats.submit(info, arr, value)
-                return info
-            if tensors:
-                info["data_name"] = self.writer.save_tensor(data_name, arr)
-            return info
+            return self._tensor_record(value, data_name, tensors)
         if isinstance(value, Mapping):
             return {str(k): self.capture(v, f"{data_name}.{k}", tensors) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
             return [self.capture(v, f"{data_name}.{i}", tensors) for i, v in enumerate(value)]
         other = a.other_info(value)
         return other if other is not None else scalar_info(value)
+
+    def _tensor_record(self, value: Any, data_name: str, tensors: bool) -> dict[str, Any]:
+        """One tensor's record. A tensor already seen in this step (same storage key: a module's
+        output that is the next one's input) gets a copy of the first record's statistics."""
+        a = self.adapter
+        later = self.cfg.async_dump and not tensors and self.cfg.summary_mode == "statistics"
+        key = self._storage_key(value) if self._storage_key is not None else None
+        seen = self.stats_cache.get(key) if key is not None else None
+        if seen is not None:
+            if not later and self._stats is not None:
+                self._stats.drain()  # `seen` may still be waiting for the worker
+            info = dict(seen)
+            info["shape"] = list(seen["shape"])
+            if later:  # the worker fills records in order: `seen` before this copy
+                self._worker().submit(info, None, seen)
+            if tensors:
+                info["data_name"] = self.writer.save_tensor(data_name, a.to_numpy(value))
+            return info
+        arr = a.to_numpy(value)
+        info = tensor_info(
+            arr,
+            type_name=a.type_name,
+            dtype_name=a.dtype_name(value),
+            summary_mode=self.cfg.summary_mode,
+            requires_grad=a.requires_grad(value),
+            statistics=not later,
+        )
+        if key is not None:  # the tensor is kept alive with it: its address is not reused meanwhile
+            self.stats_cache.put(key, info if later else dict(info), value)
+        if later:  # async_dump: the worker thread fills the statistics; the tensor lives until then
+            self._worker().submit(info, arr, value)
+        elif tensors:
+            info["data_name"] = self.writer.save_tensor(data_name, arr)
+        return info
+
+    def _worker(self) -> StatsWorker:
+        if self._stats is None:
+            self._stats = StatsWorker()
+        return self._stats
 
     def _capture_inputs(self, name: str, args: tuple, kwargs: dict, tensors: bool) -> dict[str, Any]:
         return {

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 STAT_KEYS = ("Max", "Min", "Mean", "Norm")
+_sum, _max, _min = np.add.reduce, np.maximum.reduce, np.minimum.reduce
 
 
 def to_json_float(x: Any) -> float | str | None:
@@ -83,18 +84,19 @@ def array_stats(a: np.ndarray) -> dict[str, Any]:
     x = _as_float(np.asarray(a))
     flat = x.reshape(-1)
     # float32 arrays are summed in float32: numpy's pairwise sum keeps ~log2(n) ulp of error, and a
-    # float64 accumulator made the mean the slowest of the four statistics
-    mean = float(flat.sum()) / flat.size
+    # float64 accumulator made the mean the slowest of the four statistics. The ufuncs' reduce is
+    # what ndarray.sum/max/min call, less their argument handling (a dump takes ~1000 a step).
+    mean = float(_sum(flat)) / flat.size
     if not math.isfinite(mean) and flat.dtype != np.float64:  # a float32 sum can overflow (a -3.4e38 mask)
-        mean = float(flat.sum(dtype=np.float64)) / flat.size
+        mean = float(_sum(flat, dtype=np.float64)) / flat.size
     nan = inf = 0
     if not math.isfinite(mean):
         # Only pay for the counts when something is off: a finite mean means all elements are finite.
-        nan = int(np.isnan(flat).sum())
-        inf = int(np.isinf(flat).sum())
+        nan = int(np.count_nonzero(np.isnan(flat)))
+        inf = int(np.count_nonzero(np.isinf(flat)))
     return {
-        "Max": to_json_float(flat.max()),
-        "Min": to_json_float(flat.min()),
+        "Max": to_json_float(_max(flat)),
+        "Min": to_json_float(_min(flat)),
         "Mean": to_json_float(mean),
         "Norm": to_json_float(_norm(flat)),
         "NanCount": nan,

@@ -17,7 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from .stats import array_stats
+from .stats import STAT_KEYS, array_stats
+
+_FILLED = (*STAT_KEYS, "NanCount", "InfCount")
 
 QUEUE_DEPTH = 64
 """Records waiting at most; the step blocks when the worker is this far behind (bounds the memory kept alive)."""
@@ -32,8 +34,10 @@ class StatsWorker:
         self._thread = threading.Thread(target=self._run, name="ms-probe-stats", daemon=True)
         self._thread.start()
 
-    def submit(self, record: dict[str, Any], array: np.ndarray, keep: Any = None) -> None:
-        """Fill `record`'s statistics from `array` later; `keep` (the tensor) lives until then."""
+    def submit(self, record: dict[str, Any], array: np.ndarray | None, keep: Any = None) -> None:
+        """Fill `record`'s statistics from `array` later; `keep` (the tensor) lives until then.
+        Without an array, `keep` is an earlier record of the same tensor: its statistics are copied
+        once filled (records are filled in the order submitted)."""
         self._queue.put((record, array, keep))
 
     def drain(self) -> None:
@@ -47,7 +51,10 @@ class StatsWorker:
         while True:
             record, array, keep = self._queue.get()
             try:
-                record.update(array_stats(array))
+                if array is None:
+                    record.update({k: keep[k] for k in _FILLED})
+                else:
+                    record.update(array_stats(array))
             except BaseException as e:  # handed to the caller at drain()
                 self._error = self._error or e
             finally:

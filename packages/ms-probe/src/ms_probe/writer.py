@@ -15,6 +15,7 @@ dump removes the killed writer's temporary folder.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ms_layout.files import atomic_dir, write_manifest
+from ms_layout.files import atomic_dir, file_entry
 
 MANIFEST_VERSION = 2
 """1: {size, crc32} per file (ms-probe 0.1); 2: {bytes, sha256} (ms_layout.files manifests)."""
@@ -112,20 +113,22 @@ class DumpWriter:
                 "data": self.data,
             }
             stacks = {str(i): [names, list(frames)] for i, (frames, names) in enumerate(self._stacks.items())}
-            names = list(self._tensors)
+            entries = {rel: file_entry(work / rel) for rel in self._tensors}
             files = [("dump.json", dump), ("stack.json", stacks), ("construct.json", self.construct)]
             if self.pipeline:
                 files.append(("pipeline.json", self.pipeline))
             for name, obj in files:
                 # Strict JSON (no NaN literals); not indented, so the C encoder writes it (indented, the
                 # pure-Python encoder took 15 ms of a 117 ms step for 144 modules' statistics)
-                (work / name).write_text(json.dumps(obj, allow_nan=False))
-                names.append(name)
+                entries[name] = _write(work / name, json.dumps(obj, allow_nan=False).encode())
             if self.warnings:
                 text = "".join(w.rstrip("\n") + "\n" for w in self.warnings)
-                (work / "dump_error_info.log").write_text(text)
-                names.append("dump_error_info.log")
-            write_manifest(work, names, {"version": MANIFEST_VERSION, "framework": self.framework})
+                entries["dump_error_info.log"] = _write(work / "dump_error_info.log", text.encode())
+            # ms_layout's manifest format (write_manifest), from the bytes just written: no reading
+            # them back, and no atomic write of its own inside a folder that is swapped in whole
+            manifest = {"version": MANIFEST_VERSION, "framework": self.framework}
+            manifest["files"] = {n: entries[n] for n in sorted(entries)}
+            _write(work / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True).encode())
         except BaseException:
             self.abort()
             raise
@@ -139,6 +142,12 @@ class DumpWriter:
         if self._pending is not None:
             pending, self._pending, self._work = self._pending, None, None
             pending.__exit__(RuntimeError, RuntimeError("dump aborted"), None)
+
+
+def _write(path: Path, data: bytes) -> dict[str, Any]:
+    """Write `data` to `path` (in the private folder: flush() fsyncs it); its manifest entry."""
+    path.write_bytes(data)
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

@@ -1,6 +1,6 @@
 """ms-probe: dump overhead per training step and compare throughput.
 
-    python benchmarks/bench_probe.py [--quick] [--out benchmarks/results/probe.json]
+    OMP_NUM_THREADS=1 python benchmarks/bench_probe.py [--quick] [--reps N] [--out benchmarks/results/probe.json]
 
 A small Llama (ms-models on MindSpore PyNative, and Hugging Face transformers on torch with the
 same weights) runs forward + backward; each repetition runs the four modes back to back (no dump,
@@ -224,6 +224,7 @@ def _print(rows: list[dict], title: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny model, 3 repetitions")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions of each mode (default 7, 3 with --quick)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/probe.json"))
     args = ap.parse_args()
 
@@ -235,7 +236,7 @@ def main() -> int:
     # PyNative on CPU without it runs ~9x slower here (measured 1220 ms against 132 a step): the
     # step timed without dump would be MindSpore's asynchronous dispatch, not the model
     ms.set_context(pynative_synchronize=True)
-    reps = 3 if args.quick else 7
+    reps = args.reps or (3 if args.quick else 7)
     batch, seq = (2, 16) if args.quick else (4, 64)
     work = Path(tempfile.mkdtemp(prefix="bench_probe_"))
     load_before = os.getloadavg()[0]  # other processes on a shared box slow every mode alike
@@ -262,6 +263,8 @@ def main() -> int:
     if peer is not None:  # the peer's own statistics dump of the same step, measured in the same run
         summary["msprobe_statistics_over_no_dump"] = peer["vs_no_dump"]
     summary["load_avg_1m_before"] = round(load_before, 2)
+    summary["load_avg_1m_after"] = round(os.getloadavg()[0], 2)
+    summary["reps"] = reps
     result = {
         "benchmark": "probe",
         "title": title,

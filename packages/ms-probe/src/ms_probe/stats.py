@@ -120,7 +120,7 @@ def tensor_info(
 ) -> dict[str, Any]:
     """The dump.json record of one tensor given as a numpy array (already on the host);
     `statistics=False` leaves Max/Min/Mean/Norm None, for a caller that fills them later."""
-    info: dict[str, Any] = {"type": type_name, "dtype": dtype_name, "shape": [int(s) for s in a.shape]}
+    info: dict[str, Any] = {"type": type_name, "dtype": dtype_name, "shape": list(a.shape)}
     info.update(array_stats(a) if statistics else dict.fromkeys(STAT_KEYS))
     if summary_mode == "md5":
         info["md5"] = crc32_hex(a)

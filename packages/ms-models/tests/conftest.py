@@ -15,6 +15,22 @@ def _mindspore_cpu():
     ms.set_device("CPU")
 
 
+@pytest.fixture(params=["plain", "fused"])
+def kernels(request):
+    """Run a test with the explicit passes on MindSpore's own ops and again on the fused CPU
+    kernels (ms_models.fused; skipped where they cannot be built); automatic again afterwards."""
+    from ms_models import fused
+
+    if request.param == "fused":
+        try:
+            fused.build.library()
+        except fused.BuildError as e:
+            pytest.skip(f"fused kernels unavailable: {e}")
+    fused.enable(request.param == "fused")
+    yield request.param
+    fused.enable(None)
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     """{arch: directory} of tiny seeded checkpoints written by make_tiny."""

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from _passes_check import _angles, _check, _tensor
 
-pytestmark = pytest.mark.needs_mindspore
+pytestmark = [pytest.mark.needs_mindspore, pytest.mark.usefixtures("kernels")]  # plain and fused
 
 CONFIGS = {
     # q LoRA, interleaved RoPE, normalised top-k weights, one shared expert (the tiny default)

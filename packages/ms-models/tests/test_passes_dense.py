@@ -9,7 +9,7 @@ from _passes_check import RTOL, _angles, _check, _tensor
 
 from ms_layout.testing import assert_close
 
-pytestmark = pytest.mark.needs_mindspore
+pytestmark = [pytest.mark.needs_mindspore, pytest.mark.usefixtures("kernels")]  # plain and fused
 
 ARCHS = ("llama", "qwen2")  # qwen2: biases on q, k, v
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from mindspore import nn
 
-from ..layers import apply_rope
 from . import ops as P
 
 
@@ -55,7 +54,7 @@ class AttentionPasses(nn.Cell):
         q = _linear(h, a.q_proj).reshape(b, s, self.num_heads, self.head_dim)
         k = _linear(h, a.k_proj).reshape(b, s, self.num_kv_heads, self.head_dim)
         v = _linear(h, a.v_proj).reshape(b, s, self.num_kv_heads, self.head_dim)
-        o, core = P.attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, allowed, self.scale)
+        o, core = P.attention(P.rope(q, cos, sin), P.rope(k, cos, sin), v, allowed, self.scale)
         return _linear(o, a.o_proj), (h, o, core)
 
     def backward_input(self, saved, g, cos, sin):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from mindspore import nn, ops
 
+from .. import fused
 from ..blocks import rope_and_mask
 from ..errors import ModelError
 from . import host_ops
@@ -33,6 +34,7 @@ class DecoderLayerPasses(nn.Cell):
 
     def __init__(self, layer):
         super().__init__(auto_prefix=False)
+        fused.refresh()  # whether the graphs compiled from these passes use the fused CPU kernels
         self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
         self.attn, self.mlp = sublayer_passes(layer.self_attn), sublayer_passes(layer.mlp)
 
@@ -72,6 +74,7 @@ class EmbedBlockPasses(nn.Cell):
 
     def __init__(self, block):
         super().__init__(auto_prefix=False)
+        fused.refresh()
         self.embed = block.embed
         self.vocab = block.embed.weight.shape[0]
 
@@ -123,6 +126,7 @@ class HeadBlockPasses(nn.Cell):
 
     def __init__(self, block):
         super().__init__(auto_prefix=False)
+        fused.refresh()
         self.norm, self.lm_head = block.norm, block.lm_head
 
     def weights(self) -> list:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from mindspore import nn, ops
 
-from ..layers import apply_rope
 from . import ops as P
 from .dense import _linear, _linear_grads, _linear_weights
 
@@ -58,11 +57,11 @@ class MLAPasses(nn.Cell):
             q = _linear(h, a.q_proj)
             s_q = ()
         q = q.reshape(b, s, self.num_heads, self.q_head_dim)
-        q_pe = apply_rope(q[..., self.nope :], cos, sin, self.interleave)
+        q_pe = P.rope(q[..., self.nope :], cos, sin, self.interleave)
         q = ops.cat((q[..., : self.nope], q_pe), -1)
         kv = _linear(h, a.kv_a_proj_with_mqa)
         cy, cn, cr = P.rms_norm(kv[..., : self.rank], a.kv_a_layernorm.weight, a.kv_a_layernorm.eps)
-        k_pe = apply_rope(kv[..., self.rank :].reshape(b, s, 1, self.rope), cos, sin, self.interleave)
+        k_pe = P.rope(kv[..., self.rank :].reshape(b, s, 1, self.rope), cos, sin, self.interleave)
         kvb = _linear(cy, a.kv_b_proj).reshape(b, s, self.num_heads, self.nope + self.v_dim)
         k_pe = ops.broadcast_to(k_pe, (b, s, self.num_heads, self.rope))
         k = ops.cat((kvb[..., : self.nope], k_pe), -1)

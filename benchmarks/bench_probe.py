@@ -2,12 +2,13 @@
 
     OMP_NUM_THREADS=1 python benchmarks/bench_probe.py [--quick] [--reps N] [--out benchmarks/results/probe.json]
 
-A small Llama (ms-models on MindSpore PyNative, and Hugging Face transformers on torch with the
-same weights) runs forward + backward; each repetition runs the four modes back to back (no dump,
-statistics, statistics with async_dump, tensor), so machine noise hits them alike, and the rows
-give medians and the ratio to no dump. Then the tensor dumps of both frameworks are compared (MB
-of .npy read per second, both sides counted) and so are the statistics dumps (items per second),
-report.html included.
+A small Llama (ms-models on MindSpore PyNative, and Hugging Face transformers on torch with the same
+weights) runs forward + backward; each repetition runs the four modes back to back (no dump,
+statistics, statistics with async_dump, tensor), so machine noise hits them alike, and the rows give
+medians and the ratio to no dump, in wall-clock time and in this process's CPU time (the box is
+shared: other processes' load moves the wall-clock ratios more than the CPU-time ones). Then the
+tensor dumps of both frameworks are compared (MB of .npy read per second, both sides counted) and so
+are the statistics dumps (items per second), report.html included.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def _steps(model_dir: str, ids: np.ndarray, work: Path, reps: int) -> tuple[list
         hf(pt_ids, use_cache=False).logits.mean().backward()
 
     runs = {("mindspore", m): [] for m in MODES} | {("pytorch", m): [] for m in MODES}
+    cpu = {k: [] for k in runs}  # this process's CPU time (all its threads): steadier on a shared box
     last_dump: dict[str, Path] = {}
     debuggers = {}
     for fw, model, step in (("mindspore", ms_model, ms_step), ("pytorch", hf, pt_step)):
@@ -69,7 +71,7 @@ def _steps(model_dir: str, ids: np.ndarray, work: Path, reps: int) -> tuple[list
             )
         for _ in range(reps):
             for mode in MODES:
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 if mode == "none":
                     step()
                 else:
@@ -77,6 +79,7 @@ def _steps(model_dir: str, ids: np.ndarray, work: Path, reps: int) -> tuple[list
                     with dbg.dump_step(model):
                         step()
                 runs[(fw, mode)].append(time.perf_counter() - start)
+                cpu[(fw, mode)].append(time.process_time() - start_cpu)
         for mode in MODES[1:]:
             debuggers[(fw, mode)].close()
             last_dump[f"{fw}_{mode}"] = work / f"{fw}_{mode}" / f"step{reps - 1}"
@@ -87,8 +90,9 @@ def _steps(model_dir: str, ids: np.ndarray, work: Path, reps: int) -> tuple[list
     rows = []
     for fw in ("mindspore", "pytorch"):
         base = statistics.median(runs[(fw, "none")])
+        base_cpu = statistics.median(cpu[(fw, "none")])
         for mode in MODES:
-            med = statistics.median(runs[(fw, mode)])
+            med, med_cpu = statistics.median(runs[(fw, mode)]), statistics.median(cpu[(fw, mode)])
             folder = last_dump.get(f"{fw}_{mode}")
             items = len(json.loads((folder / "rank0" / "dump.json").read_text())["data"]) if folder else 0
             rows.append(
@@ -98,6 +102,8 @@ def _steps(model_dir: str, ids: np.ndarray, work: Path, reps: int) -> tuple[list
                     "mode": mode,
                     "step_ms": round(med * 1e3, 1),
                     "vs_no_dump": round(med / base, 3),
+                    "cpu_ms": round(med_cpu * 1e3, 1),
+                    "cpu_vs_no_dump": round(med_cpu / base_cpu, 3),
                     "items": items,
                     "npy_MB": round(_folder_mb(folder), 2) if folder else 0.0,
                 }
@@ -256,6 +262,13 @@ def main() -> int:
     by = {(r["framework"], r["mode"]): r for r in rows if r["measure"] == "train step"}
     summary = {
         f"{'ms' if fw == 'mindspore' else 'torch'}_{mode.replace('-', '_')}_over_no_dump": by[(fw, mode)]["vs_no_dump"]
+        for fw in ("mindspore", "pytorch")
+        for mode in MODES[1:]
+    }
+    summary |= {
+        f"{'ms' if fw == 'mindspore' else 'torch'}_{mode.replace('-', '_')}_cpu_over_no_dump": by[(fw, mode)][
+            "cpu_vs_no_dump"
+        ]
         for fw in ("mindspore", "pytorch")
         for mode in MODES[1:]
     }

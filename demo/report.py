@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from common import StageResult
 
 from ms_layout.files import atomic_write
@@ -151,6 +152,29 @@ def _grpo(result: StageResult, work: Path) -> str:
     return _img_fig(fig, "GRPO losses")
 
 
+def _recompute(result: StageResult, work: Path) -> str:
+    n, plt = result.numbers, _plt()
+    if "recompute_ms_sequential" not in n:
+        return ""
+    fig, ax = plt.subplots(figsize=(7, 3))
+    labels = ["recompute part", "whole step"]
+    seq = [n["recompute_ms_sequential"], n["step_ms_sequential"]]
+    pair = [n["recompute_ms_paired"], n["step_ms_paired"]]
+    x = np.arange(len(labels))
+    ax.bar(x - 0.2, seq, 0.4, label="sequential")
+    ax.bar(x + 0.2, pair, 0.4, label="paired")
+    ax.set_xticks(x, labels)
+    ax.set(ylabel="ms (min over reps, slowest rank)", title=f"TP=2 recompute over {n.get('link', '?')}")
+    ax.legend()
+    return (
+        f"<p>Paired / sequential recompute part: <b>{_esc(n.get('recompute_paired_over_sequential'))}</b>"
+        f" ({_esc(n.get('recompute_ms_paired'))} ms vs {_esc(n.get('recompute_ms_sequential'))} ms); one"
+        f" all-reduce of {_esc(n.get('allreduce_MB'))} MB takes {_esc(n.get('allreduce_ms'))} ms on this link."
+        f" Recompute order of the paired backward: <code>{_esc(n.get('paired_order'))}</code></p>"
+        + _img_fig(fig, "paired vs sequential recompute")
+    )
+
+
 def _numbers(result: StageResult) -> str:
     skip = {"monitor_series", "losses", "rows", "answers", "recompute_plans", "plan", "rewards", "resumed_losses"}
     rows = [{"name": k, "value": v} for k, v in result.numbers.items() if k not in skip]
@@ -170,7 +194,7 @@ def _benchmarks(folder: Path) -> str:
     return "".join(parts) or "<p class=small>(no benchmark results found)</p>"
 
 
-SECTIONS = {"pretrain": _pretrain, "probe": _probe, "serve": _serve, "grpo": _grpo}
+SECTIONS = {"pretrain": _pretrain, "probe": _probe, "serve": _serve, "grpo": _grpo, "recompute": _recompute}
 
 
 def write_report(results: list[StageResult], work: Path, bench_dir: Path, total_s: float) -> Path:

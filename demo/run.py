@@ -6,6 +6,9 @@
 3. reshard   the pipeline-stage shards into one inference checkpoint (ms-reshard)
 4. serve     it through vLLM with ms-vllm, a few greedy prompts checked against ms-models
 5. grpo      GRPO with uniform sampling and dynamic packing (ms-rlhf), interrupted and resumed
+6. recompute paired recompute with real communication: a tiny Llama trained with tensor
+             parallelism 2 on 2 local ranks (ms-recompute, ms-models' TP shards), over a shaped
+             link where network namespaces can be made (root), else loopback
 
 Every stage checks its own claim against an independent reference; a summary table, every
 stage's JSON and one HTML report (whose path is printed last) land in the output directory.
@@ -51,7 +54,7 @@ def _say(console, text: str) -> None:
 
 def _stages(quick: bool, fault: str = ""):
     """(name, needs, function of the work dir) in order; `needs` names the stages whose output it reads."""
-    from stages import grpo, pretrain, probe, reshard, serve
+    from stages import grpo, pretrain, probe, recompute_tp, reshard, serve
 
     pre = pretrain.PretrainConfig(fault=fault)
     gr = grpo.GrpoConfig()
@@ -64,6 +67,7 @@ def _stages(quick: bool, fault: str = ""):
         ("reshard", ("pretrain",), lambda work: reshard.run(reshard.ReshardConfig(), work)),
         ("serve", ("reshard",), lambda work: serve.run(serve.ServeConfig(), work)),
         ("grpo", (), lambda work: grpo.run(gr, work)),
+        ("recompute", (), lambda work: recompute_tp.run(recompute_tp.RecomputeConfig(), work)),
     ]
 
 

@@ -7,7 +7,10 @@ cuts it into blocks, keeps the blocks of its two V stages, and runs ms-pipeline'
 graphs over the blocks' explicit passes (B never re-runs the forward; W is the kept pairs'
 GEMMs). ms-recompute's plan for the decoder layers of each stage (a pair never spans two stages)
 becomes the stages' recompute flags: a recomputed layer keeps only its input from F to B, and
-B's graph runs its forward again right before its backward. An
+B's graph runs its forward again right before its backward. This model
+has no tensor parallelism, so the plans pair layers with ``comms=0``: a pair has no communication
+to overlap here. Paired recompute with real communication -- TP all-reduces in flight while the
+partner layer computes -- is the recompute stage's (stages/recompute_tp.py). An
 ms-monitor ``Monitor`` in each rank times every step (pipeline and optimizer ranges) and ships it
 to a ``Daemon`` running in this process. The ranks return their trained weights; this stage
 writes them as a sharded checkpoint (one safetensors file per rank, with a manifest) in the

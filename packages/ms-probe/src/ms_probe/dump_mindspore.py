@@ -58,6 +58,7 @@ class MindSporeAdapter:
         self._dtype = ms.dtype.Type
         self._host_view: bool | None = None  # decided at the first tensor (the context is set by then)
         self._dtype_names: dict[Any, str] = {}
+        self._no_dlpack: set[Any] = set()  # dtypes MindSpore's to_dlpack refused: read with asnumpy
 
     def is_tensor(self, x: Any) -> bool:
         return isinstance(x, (self._tensor, np.ndarray))  # numpy: the values a compiled step's probes saw
@@ -70,10 +71,12 @@ class MindSporeAdapter:
             self._host_view = _host_view_available()
         if isinstance(x, np.ndarray):
             a = x
-        elif self._host_view:
+        elif self._host_view and x.dtype not in self._no_dlpack:
             try:
                 a = np.from_dlpack(_DLPack(x))
-            except (BufferError, RuntimeError, TypeError, ValueError):  # bfloat16, a non-CPU tensor
+            except (BufferError, RuntimeError, TypeError, ValueError):  # bfloat16, bool, a non-CPU tensor
+                # MindSpore's refusal costs ~90 us (its message carries a C++ stack): once per dtype
+                self._no_dlpack.add(x.dtype)
                 a = x.asnumpy()
         else:
             a = x.asnumpy()

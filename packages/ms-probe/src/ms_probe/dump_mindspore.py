@@ -98,7 +98,8 @@ class MindSporeAdapter:
         try:
             if isinstance(x, np.ndarray):
                 return (x.__array_interface__["data"][0], x.shape, x.strides, x.dtype.str)
-            return (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, x._version)
+            ptr = x.data_ptr()
+            return (ptr, tuple(x.shape), tuple(x.stride()), x.dtype, x._version) if ptr else None
         except (AttributeError, RuntimeError, TypeError, ValueError):  # no address (not materialized)
             return None
 

@@ -11,7 +11,9 @@ weight. Four ways to take it, timed in rotation step by step on the same process
 * ``jit``: the same function compiled whole with ``mindspore.jit``;
 * ``passes``: ms-models' explicit passes as ms-pipeline's training stage runs them (one stage
   holding every block: a compiled forward keeping what the backward needs, then one compiled
-  backward giving the input and weight gradients, accumulated in numpy);
+  backward giving the input and weight gradients, accumulated in numpy), with the fused CPU
+  kernels of ``ms_models.fused`` where they are on (one thread per process: here);
+* ``passes_plain``: the same passes on MindSpore's own ops only (the fused kernels off);
 * ``torch``: the same checkpoint in HF transformers, eager torch, ``loss.backward()``.
 
 Two model sizes: ``compute`` (the headline: hidden 256, 4 layers, vocabulary 2048, batch 4 x 128
@@ -58,6 +60,7 @@ COMPUTE_ARCH = {
     ),
 }
 SHAPES = {"compute": (4, 128), "tiny": (4, 64)}  # batch x tokens per size
+VARIANTS = ("pynative", "jit", "passes", "passes_plain")
 QUICK_SHAPES = {"compute": (2, 64), "tiny": (2, 32)}
 
 
@@ -93,13 +96,16 @@ def _mindspore_run(model, ids: np.ndarray, labels: np.ndarray, jit: bool):
     return run
 
 
-def _passes_run(model, ids: np.ndarray, labels: np.ndarray):
-    """The step on the explicit passes, as one pipeline stage holding every block runs it."""
+def _passes_run(model, ids: np.ndarray, labels: np.ndarray, fused: bool | None = None):
+    """The step on the explicit passes, as one pipeline stage holding every block runs it;
+    ``fused``: the fused CPU kernels on, off, or as ms_models decides (None)."""
     import mindspore as ms
 
     import ms_models
+    from ms_models import fused as kernels
     from ms_pipeline.runtime import Stage
 
+    kernels.enable(fused)  # read when the stage's graphs compile: on the first call, below
     stage = Stage(0, ms_models.pipeline_blocks(model), first=True, last=True, jit=True)
     ids_t, labels_t, one = ms.Tensor(ids), ms.Tensor(labels), ms.Tensor(1.0, ms.float32)
 
@@ -108,6 +114,10 @@ def _passes_run(model, ids: np.ndarray, labels: np.ndarray):
         stage.forward(0, ids_t, labels_t).asnumpy()
         stage.backward_full(0, one)
 
+    start = time.perf_counter()
+    run()
+    run.first_call_s = time.perf_counter() - start
+    kernels.enable(None)
     return run
 
 
@@ -169,6 +179,7 @@ def _rows(size: str, batch: int, seq: int, warmup: int, reps: int) -> list[dict]
             }
             if not model.config.tie_word_embeddings:  # a tied head is one weight in two blocks
                 fns["passes"] = _passes_run(model, ids, labels)
+                fns["passes_plain"] = _passes_run(model, ids, labels, fused=False)
             if package_version("torch") and package_version("transformers"):
                 fns["torch"] = _torch_run(path, ids, labels)
             first, step = _interleaved(fns, warmup, reps)
@@ -178,19 +189,22 @@ def _rows(size: str, batch: int, seq: int, warmup: int, reps: int) -> list[dict]
                 "family": "dense" if arch in DENSE else "moe",
                 "params": model.num_params(),
                 "tokens": tokens,
-                **{f"{name}_tok_s": _rate(tokens, step.get(name)) for name in ("pynative", "jit", "passes")},
+                **{f"{name}_tok_s": _rate(tokens, step.get(name)) for name in VARIANTS},
                 "jit/pynative": round(step["pynative"] / step["jit"], 2),
                 "jit_first_call_s": round(first["jit"], 2),
-                "passes_first_call_s": round(first["passes"], 2) if "passes" in first else None,
+                "passes_first_call_s": round(fns["passes"].first_call_s, 2) if "passes" in fns else None,
+                "fused/plain": round(step["passes_plain"] / step["passes"], 3) if "passes" in step else None,
                 "torch_eager_tok_s": None,
                 "jit/torch": None,
                 "passes/torch": None,
+                "passes_plain/torch": None,
             }
             if "torch" in step:
                 row["torch_eager_tok_s"] = round(tokens / step["torch"], 1)
                 row["jit/torch"] = round(step["torch"] / step["jit"], 3)
                 if "passes" in step:
                     row["passes/torch"] = round(step["torch"] / step["passes"], 3)
+                    row["passes_plain/torch"] = round(step["torch"] / step["passes_plain"], 3)
             rows.append(row)
     return rows
 
@@ -204,12 +218,32 @@ def _summary(rows: list[dict]) -> dict:
     DeepSeek-V3), and jit over PyNative at every size."""
     out: dict = {"jit_over_pynative_min": min(r["jit/pynative"] for r in rows)}
     compute = [r for r in rows if r["size"] == "compute"]
-    for column, key in (("jit/torch", "jit_over_torch"), ("passes/torch", "passes_over_torch")):
+    columns = (
+        ("jit/torch", "jit_over_torch"),
+        ("passes/torch", "passes_over_torch"),
+        ("passes_plain/torch", "passes_plain_over_torch"),
+    )
+    for column, key in columns:
         dense = [r[column] for r in compute if r["model"] in DENSE and r[column] is not None]
         if dense:
             out[f"{key}_dense_min"] = min(dense)
         out.update({f"{key}_deepseek_v3": r[column] for r in compute if r["model"] == "deepseek_v3" and r[column]})
     return out
+
+
+def _fused_state() -> str:
+    """Whether ms_models' fused CPU kernels are on by default here, or why not."""
+    from ms_models import fused
+
+    return "on" if fused.refresh() else f"off: {fused.why_not()}"
+
+
+def _avx512() -> bool | None:
+    """Whether the CPU has AVX-512 (MindSpore's CPU kernels are much faster with it), None if unknown."""
+    try:
+        return "avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
 
 
 def _pin(threads: int) -> list[int]:
@@ -238,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.threads <= len(os.sched_getaffinity(0)):
         parser.error(f"--threads must be within 1..{len(os.sched_getaffinity(0))}, got {args.threads}")
     cpus = _pin(args.threads)
-    warmup, reps = (2, 3) if args.quick else (2, 7)
+    warmup, reps = (2, 3) if args.quick else (2, 9)
     sizes = ("compute", "tiny") if args.size == "both" else (args.size,)
     shapes = QUICK_SHAPES if args.quick else SHAPES
 
@@ -260,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
             threads=args.threads,
             cpus=cpus,
             compute_size={**COMPUTE, "batch_x_seq": shapes["compute"]},
+            fused_kernels=_fused_state(),
+            avx512=_avx512(),
         ),
         "quick": args.quick,
         "wall_s": round(time.perf_counter() - start, 1),

@@ -25,7 +25,6 @@ import os
 
 import numpy as np
 from mindspore import Tensor, ops
-from mindspore import dtype as mstype
 
 from .build import BuildError, library
 
@@ -102,10 +101,6 @@ def _load() -> bool:
         cross_entropy=custom("cross_entropy", lambda x, y: ([x[0]], x), lambda x, y: (x, x)),
     )
     return True
-
-
-def _f32(*xs) -> bool:
-    return all(x.dtype == mstype.float32 for x in xs)
 
 
 def _const(*values) -> Tensor:

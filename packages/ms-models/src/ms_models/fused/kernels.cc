@@ -140,8 +140,9 @@ extern "C" int rope(AOT_ARGS) {
 }
 
 // Masked softmax of scaled scores. scores [N, M, Sq, Sk] (M: the heads), allowed [N or 1, Sq, Sk]
-// (bool, one byte each; one mask for every row of the batch when its first dim is 1), scale [1] -> probs [N, M, Sq, Sk]: softmax over Sk of scale * scores where allowed,
-// zero elsewhere (a row with nothing allowed is uniform, as a softmax over equal -1e30 would be).
+// (bool, one byte each; one mask for every row of the batch when its first dim is 1), scale [1] ->
+// probs [N, M, Sq, Sk]: softmax over Sk of scale * scores where allowed, zero elsewhere (a row with
+// nothing allowed is uniform, as a softmax over equal -1e30 would be).
 extern "C" int masked_softmax(AOT_ARGS) {
   const float* scores = IN(0);
   const auto* allowed = static_cast<const uint8_t*>(p[1]);

@@ -1,7 +1,7 @@
 """ZeroBubbleV against 1F1B on 2 CPU ranks, ms-pipeline beside PyTorch's own pipelining, with the
 simulator's prediction from the measured costs.
 
-    python benchmarks/bench_pipeline.py [--hidden 256 --layers 8 --seq 256 --micro-batch 4
+    python benchmarks/bench_pipeline.py [--hidden 256 --layers 8 --seq 512 --micro-batch 4
         --microbatches 8] [--quick] --out benchmarks/results/pipeline.json
 
 One Llama-shaped decoder (ms-models, untied head) at a size where compute, not dispatch,
@@ -290,7 +290,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
     parser.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
-    parser.add_argument("--seq", type=int, default=256, help="tokens per sample (default 256)")
+    parser.add_argument("--seq", type=int, default=512, help="tokens per sample (default 512)")
     parser.add_argument("--micro-batch", type=int, default=4, help="samples per microbatch (default 4)")
     parser.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
     parser.add_argument("--vocab", type=int, default=2048, help="vocabulary (default 2048)")

@@ -9,6 +9,7 @@ at once (the ranks of one job) each write a private file and rename it into plac
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -50,10 +51,15 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+@functools.cache
+def _version(cxx: str) -> str:
+    """``cxx --version`` (once per compiler and process: every block's passes ask for the library)."""
+    return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+
+
 def _key(cxx: str) -> str:
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     h = hashlib.sha256(SOURCE.read_bytes())
-    for part in (" ".join(FLAGS), version, _cpu_flags(), platform.machine()):
+    for part in (" ".join(FLAGS), _version(cxx), _cpu_flags(), platform.machine()):
         h.update(part.encode())
     return h.hexdigest()[:16]
 

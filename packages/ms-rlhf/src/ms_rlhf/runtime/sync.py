@@ -63,10 +63,12 @@ class SyncStats:
 
 
 def _shard_bytes(spec, rank: int) -> int:
-    """Bytes of `rank`'s shard of a ParamSpec (0 off its layout's ranks)."""
+    """Bytes of `rank`'s shard of a ParamSpec (0 off its layout's ranks); bfloat16 included."""
+    from ms_reshard.model_plan import itemsize_of
+
     if rank not in spec.layout.ranks:
         return 0
-    return int(np.prod(spec.layout.shard_shape(spec.shape), dtype=np.int64)) * np.dtype(spec.dtype).itemsize
+    return int(np.prod(spec.layout.shard_shape(spec.shape), dtype=np.int64)) * itemsize_of(spec.dtype)
 
 
 def layouts(config, world: int, sharded: bool, shapes: Mapping[str, tuple[int, ...]], tp: int = 1, owner=None):

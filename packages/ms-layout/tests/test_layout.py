@@ -92,3 +92,16 @@ def test_scalar_shard_stays_scalar():
     x = np.array(3.0)
     assert shard(x, layout, 1).shape == ()
     assert unshard({0: shard(x, layout, 0)}, layout) == x
+
+
+@pytest.mark.parametrize("rank_list", [None, (9, 3, 7, 1, 5, 11, 0, 2, 4, 6, 8, 10)])
+def test_ranks_where_is_the_slice_of_ranks_at_one_coordinate(rank_list):
+    mesh = Layout((2, 3, 2), ("dp", "pp", "tp"), rank_list=rank_list)
+    for alias, size in zip(mesh.alias_names, mesh.device_matrix):
+        for coord in range(size):
+            want = tuple(r for r in mesh.ranks if mesh.coords(r)[alias] == coord)  # position order
+            assert mesh.ranks_where(alias, coord) == want
+    with pytest.raises(LayoutError, match="pp=3"):
+        mesh.ranks_where("pp", 3)
+    with pytest.raises(LayoutError, match="'ep'"):
+        mesh.ranks_where("ep", 0)

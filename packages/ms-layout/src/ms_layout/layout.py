@@ -227,6 +227,19 @@ class Layout:
             pos = pos * size + c
         return self.ranks[pos]
 
+    def ranks_where(self, alias: str, coord: int) -> tuple[int, ...]:
+        """The ranks whose `alias` coordinate is `coord`, in device-matrix position order: one
+        slice of the position grid (a pipeline stage's ranks, an expert owner's), without a
+        coords() call per rank."""
+        axis = self._axis_index(alias)
+        size = self.device_matrix[axis]
+        if isinstance(coord, bool) or not isinstance(coord, int) or not 0 <= coord < size:
+            raise LayoutError(f"coordinate {alias}={coord!r} is outside 0..{size - 1}")
+        inner = math.prod(self.device_matrix[axis + 1 :])
+        outer = math.prod(self.device_matrix[:axis])
+        ranks = self.ranks
+        return tuple(ranks[(o * size + coord) * inner + i] for o in range(outer) for i in range(inner))
+
     def axis_group(self, aliases: str | Sequence[str], rank: int) -> tuple[int, ...]:
         """Ranks that differ from `rank` only along the given axes (first named = most significant)."""
         names = (aliases,) if isinstance(aliases, str) else tuple(aliases)

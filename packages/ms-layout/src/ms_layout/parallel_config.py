@@ -169,7 +169,7 @@ class ParallelConfig:
         """Ranks of one pipeline stage, in dense-mesh position order."""
         if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < self.pp:
             raise LayoutError(f"stage {stage!r} is outside 0..{self.pp - 1}")
-        return ranks_where(self.mesh, "pp", stage)
+        return self.mesh.ranks_where("pp", stage)
 
     @cache  # noqa: B019
     def stage_mesh(self, stage: int = 0, experts: bool = False) -> Layout:
@@ -205,13 +205,3 @@ class ParallelConfig:
 def _axis_coords(mesh: Layout, positions: np.ndarray) -> dict[str, np.ndarray]:
     """The coordinate along every axis of each device-matrix position (row-major, last fastest)."""
     return dict(zip(mesh.alias_names, np.unravel_index(positions, mesh.device_matrix)))
-
-
-def ranks_where(mesh: Layout, axis: str, coord: int) -> tuple[int, ...]:
-    """The ranks of `mesh` whose `axis` coordinate is `coord`, in device-matrix position order:
-    one slice of the position grid, without a coords() call per rank."""
-    grid = np.arange(mesh.rank_count).reshape(mesh.device_matrix)
-    positions = np.take(grid, coord, axis=mesh.alias_names.index(axis)).ravel()  # row-major: ascending
-    if mesh.rank_list is None:
-        return tuple(positions.tolist())
-    return tuple(np.asarray(mesh.rank_list)[positions].tolist())

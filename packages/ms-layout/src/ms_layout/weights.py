@@ -19,7 +19,7 @@ from functools import cache
 
 from .errors import LayoutError
 from .layout import Layout
-from .parallel_config import ParallelConfig, ranks_where
+from .parallel_config import ParallelConfig
 
 
 class Role(str, Enum):
@@ -182,7 +182,7 @@ def _owned_by_expert_rank(
 def _expert_owner_mesh(config: ParallelConfig, stage: int, owner: int) -> tuple[tuple, tuple, tuple]:
     mesh = config.stage_mesh(stage, experts=True)
     names = tuple(a for a in mesh.alias_names if a != "ep")
-    ranks = ranks_where(mesh, "ep", owner)
+    ranks = mesh.ranks_where("ep", owner)
     return tuple(mesh.axis_size(a) for a in names), names, ranks
 
 

@@ -104,6 +104,9 @@ def test_dp2_ep2_serve_matches_one_process(mode, tiny_dirs, reference, tmp_path)
         args,
         tmp_path / "server.log",
         {"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "INFO"},
+        # four processes (2 API servers, 2 engine cores) start on 2 cores beside the other pytest
+        # worker: with LoRA + multi-step one start took over 240 s there
+        wait_s=480,
     ) as base:
         with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
             got = list(pool.map(lambda pn: _complete(base, *pn), zip(PROMPTS, names)))

@@ -16,7 +16,7 @@ from .checkpoint import load_checkpoint, load_manifest, read_rank, reshard_check
 from .errors import ReshardError
 from .fusion import DEFAULT_FUSIONS, FusionRule, load_rules, rules_from_data
 from .local import apply_local, apply_model_local
-from .model_plan import ModelPlan, ParamSpec, PartMove, PlanCache, model_plan
+from .model_plan import ModelPlan, ParamSpec, PartMove, PlanCache, itemsize_of, model_plan
 from .plan import Collective, Op, OpKind, TensorPlan, format_plan
 from .planner import plan
 from .serialize import plan_from_bytes, plan_to_bytes
@@ -40,6 +40,7 @@ __all__ = [
     "apply_local",
     "apply_model_local",
     "format_plan",
+    "itemsize_of",
     "load_checkpoint",
     "load_manifest",
     "load_rules",

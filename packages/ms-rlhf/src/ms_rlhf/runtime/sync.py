@@ -64,7 +64,7 @@ class SyncStats:
 
 def _shard_bytes(spec, rank: int) -> int:
     """Bytes of `rank`'s shard of a ParamSpec (0 off its layout's ranks); bfloat16 included."""
-    from ms_reshard.model_plan import itemsize_of
+    from ms_reshard import itemsize_of
 
     if rank not in spec.layout.ranks:
         return 0

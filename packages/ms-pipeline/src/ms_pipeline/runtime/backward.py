@@ -8,12 +8,13 @@
   ops, in a graph or not, and 0.8 ms in numpy). Under ``jit`` each of F, B, W and BW is one
   compiled graph per stage. With ``recompute`` flags, a block keeps only its input from F to B,
   where its forward runs again (in B's compiled graph) right before its backward.
-* :class:`~.construct_grads.StoredLinearGrads` (PyNative, blocks without explicit passes): B is one ``ms.grad``
-  for the input gradient and the weights that are not plain linear layers, while hooks queue each
-  linear layer's input and output gradient (:mod:`.deferred_dw`); W multiplies the queued pairs.
-  The first W is checked once against a full ``ms.grad``.
-* :class:`~.construct_grads.RecomputeGrads` (any block, the only way under ``jit`` without explicit passes): B is
-  ``ms.grad`` for the input, W ``ms.grad`` for the weights, each re-running the stage's forward.
+* :class:`~.construct_grads.StoredLinearGrads` (PyNative, blocks without explicit passes): B is
+  one ``ms.grad`` for the input gradient and the weights that are not plain linear layers, while
+  hooks queue each linear layer's input and output gradient (:mod:`.deferred_dw`); W multiplies
+  the queued pairs. The first W is checked once against a full ``ms.grad``.
+* :class:`~.construct_grads.RecomputeGrads` (any block, the only way under ``jit`` without explicit
+  passes): B is ``ms.grad`` for the input, W ``ms.grad`` for the weights, each re-running the
+  stage's forward.
 
 A strategy computes; the :class:`~ms_pipeline.runtime.Stage` keeps the per-microbatch values (FIFO
 by microbatch, as any schedule needs) and checks the order of the passes.
@@ -45,31 +46,6 @@ def _call(obj: Any, method: str | None = None) -> Any:
         return bound(*args)
 
     return run
-
-
-def _first(grad: Any) -> Any:
-    """ms.grad returns a bare tensor for one input, a tuple for several."""
-    return grad[0] if isinstance(grad, tuple) else grad
-
-
-class _StageCell(ms.nn.Cell):
-    """The blocks of a stage as one Cell (what ms.grad and ms.jit differentiate and compile)."""
-
-    def __init__(self, blocks: Sequence[ms.nn.Cell], last: bool):
-        super().__init__()
-        names = {id(p): p.name for b in blocks for p in b.get_parameters()}
-        self.blocks = ms.nn.CellList(list(blocks))
-        self.n = len(blocks)
-        self.last = last
-        for p in self.get_parameters():  # a CellList renames what it holds: keep the model's names
-            p.name = names[id(p)]
-
-    def construct(self, x, labels=None):
-        for i in range(self.n - 1):
-            x = self.blocks[i](x)
-        if self.last:
-            return self.blocks[self.n - 1](x, labels)
-        return self.blocks[self.n - 1](x)
 
 
 class _PassesCell(ms.nn.Cell):

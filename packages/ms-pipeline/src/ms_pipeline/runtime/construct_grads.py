@@ -11,8 +11,33 @@ import mindspore as ms
 import numpy as np
 
 from ..errors import ScheduleError
-from .backward import _call, _first, _StageCell
+from .backward import _call
 from .deferred_dw import DeferredLinearGrads
+
+
+def _first(grad: Any) -> Any:
+    """ms.grad returns a bare tensor for one input, a tuple for several."""
+    return grad[0] if isinstance(grad, tuple) else grad
+
+
+class _StageCell(ms.nn.Cell):
+    """The blocks of a stage as one Cell (what ms.grad and ms.jit differentiate and compile)."""
+
+    def __init__(self, blocks: Sequence[ms.nn.Cell], last: bool):
+        super().__init__()
+        names = {id(p): p.name for b in blocks for p in b.get_parameters()}
+        self.blocks = ms.nn.CellList(list(blocks))
+        self.n = len(blocks)
+        self.last = last
+        for p in self.get_parameters():  # a CellList renames what it holds: keep the model's names
+            p.name = names[id(p)]
+
+    def construct(self, x, labels=None):
+        for i in range(self.n - 1):
+            x = self.blocks[i](x)
+        if self.last:
+            return self.blocks[self.n - 1](x, labels)
+        return self.blocks[self.n - 1](x)
 
 
 class _NumpyGrads:

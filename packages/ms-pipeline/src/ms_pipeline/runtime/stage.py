@@ -43,9 +43,9 @@ import mindspore as ms
 import numpy as np
 
 from ..errors import ScheduleError
-from .backward import ExplicitPasses, _PassesCell, _StageCell, has_explicit_passes, hooked_for_recompute
+from .backward import ExplicitPasses, _PassesCell, has_explicit_passes, hooked_for_recompute
 from .chained import ChainedPasses, drain, own_passes, segments_of, steps_of
-from .construct_grads import RecomputeGrads, StoredLinearGrads
+from .construct_grads import RecomputeGrads, StoredLinearGrads, _StageCell
 from .deferred_dw import DeferredLinearGrads
 
 #: how B and W get their gradients (module docstring)

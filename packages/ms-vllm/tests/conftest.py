@@ -105,7 +105,9 @@ def vllm_server(model, args, log, env=None, wait_s: float = 240):
     port = _free_port()
     cmd = [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", str(model), "--host", "127.0.0.1",
            "--port", str(port), *args]  # fmt: skip
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", **(env or {}))
+    # fork: the API server never starts MindSpore's runtime, so its engine cores and workers may be
+    # forked, not spawned (`vllm serve`'s default): a DP2 start took 32 s instead of 108 s here
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_WORKER_MULTIPROC_METHOD="fork", **(env or {}))
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"

@@ -97,7 +97,7 @@ def test_dp2_ep2_serve_matches_one_process(mode, tiny_dirs, reference, tmp_path)
     args = [
         "--served-model-name", "tiny", "--max-model-len", "96", "--block-size", "4",
         "--kv-cache-memory-bytes", str(4 << 20), "--max-num-batched-tokens", "16", "--enable-prefix-caching",
-        "--data-parallel-size", "2", "--enable-expert-parallel", *MODES[mode], *extra,
+        "--data-parallel-size", "2", "--api-server-count", "1", "--enable-expert-parallel", *MODES[mode], *extra,
     ]  # fmt: skip
     with vllm_server(
         model,

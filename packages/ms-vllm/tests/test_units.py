@@ -80,3 +80,21 @@ def test_logprobs_rank_and_values():
     assert ranks.tolist() == [2, 1]
     ref = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     assert np.allclose(vals[0], ref[0, [2, 1, 2]], atol=1e-6)
+
+
+@pytest.mark.needs_mindspore
+def test_mindspore_runtime_started_only_after_a_first_operation():
+    """Importing MindSpore starts no thread, so vLLM may still fork; its first operation starts the
+    runtime's threads, and the platform then asks for spawned children (a fresh interpreter: the
+    test process has run MindSpore already)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys; from ms_vllm.forking import mindspore_runtime_started as started\n"
+        "a = started(); import mindspore as ms, numpy as np; b = started()\n"
+        "ms.set_device('CPU'); (ms.Tensor(np.ones((2, 2), np.float32)) * 2).asnumpy()\n"
+        "print(a, b, started())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.split() == ["False", "False", "True"]

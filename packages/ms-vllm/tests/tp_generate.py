@@ -1,7 +1,8 @@
 """Run by test_tp.py in a fresh interpreter: greedy tokens through vllm.LLM with the given options.
 
 A separate process because vLLM forks its tensor-parallel workers, which is only safe from a
-process that has not loaded MindSpore (the test process has: it computes the reference).
+process that has not started MindSpore's runtime (the test process has: it computes the reference;
+the platform would then spawn them, a fresh import of vLLM each).
 argv[1] is a JSON list of jobs {"model", "prompts", "follow_up", "n", "llm": {LLM kwargs}}, run one
 engine after the other (one interpreter: importing vLLM costs ~20 s of CPU here); the last stdout
 line is the JSON list of their results {"tokens", "follow_up", "cached", "shards", "eager_calls",

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from typing import TYPE_CHECKING
 
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
+from .forking import mindspore_runtime_started
 from .parallel import check_vllm_parallel
 
 if TYPE_CHECKING:
@@ -123,12 +123,14 @@ class MindSporePlatform(Platform):
         # Tensor/expert parallel runs one worker process per rank under vLLM's "mp" executor;
         # what is not built is refused here, at start-up, rather than mid-request (parallel.py).
         check_vllm_parallel(vllm_config)
-        if parallel.world_size > 1:
-            # vLLM forks its workers, which is fast (they inherit the imported vLLM) and safe while
-            # this process has not loaded MindSpore; a fork of a process running MindSpore's thread
-            # pools is not, so then they are spawned (measured: ~1.5 min more engine start-up here).
-            if "mindspore" in sys.modules:
-                os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        # vLLM forks its engine cores and workers (the library's default; `vllm serve` asks for
+        # spawn unless VLLM_WORKER_MULTIPROC_METHOD says otherwise). A fork is fast (the child
+        # inherits the imported vLLM) and safe while this process has not started MindSpore's
+        # runtime; a fork of a process running its thread pools is not, so then they are spawned
+        # (measured: ~1.5 min more engine start-up here).
+        if mindspore_runtime_started() and os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") != "spawn":
+            logger.info("ms-vllm: MindSpore's runtime runs in this process; its children are spawned")
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         compilation = vllm_config.compilation_config
         compilation.mode = CompilationMode.NONE
         compilation.cudagraph_capture_sizes = []

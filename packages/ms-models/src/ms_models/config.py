@@ -19,6 +19,7 @@ from ms_layout.files import FileError, atomic_write_json, read_json
 from ms_layout.limits import Limit
 
 from .errors import ModelError
+from .rope_scaling import llama3_inv_freq, yarn_inv_freq, yarn_mscale
 
 MAX_SIZE = Limit("MS_MODELS_MAX_SIZE", 1 << 20, "entries of one config size (vocab, widths, heads, experts)")
 """Bound on each size field of a config (vocab_size, hidden_size, intermediate_size, heads, experts, ranks)."""
@@ -198,9 +199,9 @@ class DecoderConfig:
         if kind == "linear":
             return (inv / params["factor"]).astype(np.float32), 1.0
         if kind == "llama3":
-            return _llama3(inv, params, self.max_position_embeddings).astype(np.float32), 1.0
+            return llama3_inv_freq(inv, params, self.max_position_embeddings).astype(np.float32), 1.0
         if kind == "yarn":
-            return _yarn(dim, base, params, self.max_position_embeddings)
+            return yarn_inv_freq(dim, base, params, self.max_position_embeddings)
         return inv.astype(np.float32), 1.0
 
     # ------------------------------------------------------------------ dicts
@@ -402,7 +403,7 @@ class DeepseekV3Config(DecoderConfig):
         scale = self.qk_head_dim**-0.5
         params = self.rope_scaling or {}
         if self.rope_type == "yarn" and params.get("mscale_all_dim"):
-            m = _yarn_mscale(params["factor"], params["mscale_all_dim"])
+            m = yarn_mscale(params["factor"], params["mscale_all_dim"])
             scale *= m * m
         return scale
 
@@ -446,49 +447,3 @@ def read_config_json(path: str, what: str) -> Any:
         return read_json(path, what, max_bytes=MAX_CONFIG_BYTES.value)
     except FileError as exc:
         raise ModelError(str(exc)) from None
-
-
-# ---------------------------------------------------------------------- RoPE variants (HF formulas)
-def _llama3(inv: np.ndarray, p: dict[str, Any], max_pos: int) -> np.ndarray:
-    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
-    old = p.get("original_max_position_embeddings", max_pos)
-    wavelen = 2 * math.pi / inv
-    scaled = np.where(wavelen > old / low, inv / factor, inv)
-    smooth = (old / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
-    return np.where(medium, smoothed, scaled)
-
-
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def _yarn(dim: int, base: float, p: dict[str, Any], max_pos: int) -> tuple[np.ndarray, float]:
-    # YaRN (arXiv:2309.00071) as DeepSeek-V3 and HF compute it: interpolate low frequencies by
-    # `factor`, keep high ones, ramp linearly between the correction dims; scale cos/sin by mscale.
-    original = p.get("original_max_position_embeddings", max_pos)
-    factor = p.get("factor") or max_pos / original
-    attention_factor = p.get("attention_factor")
-    if attention_factor is None:
-        mscale, mscale_all = p.get("mscale"), p.get("mscale_all_dim")
-        if mscale and mscale_all:
-            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
-        else:
-            attention_factor = _yarn_mscale(factor)
-    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
-
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if p.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
-    pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
-    extrapolation = 1 - ramp
-    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    return inv.astype(np.float32), float(attention_factor)

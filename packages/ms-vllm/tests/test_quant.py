@@ -11,6 +11,7 @@ import pytest
 pytestmark = pytest.mark.needs_mindspore
 
 IDS = [0, 5, 9, 33, 77, 100, 21, 40, 41]
+ONE_PROMPT_BUCKETS = {"decode_sizes": [1], "prefill_sizes": [16], "context_sizes": [96], "batch_tokens": 0}
 
 
 def test_int4_pack_round_trip_and_group_scales():
@@ -108,7 +109,9 @@ def test_vllm_serves_quantized_checkpoint(tiny_dirs, tmp_path, arch, method, eag
     ref = from_pretrained(tiny_dirs[arch])(ids).asnumpy()
     if arch == "llama":  # (the random tiny DeepSeek-V3 amplifies quantization error: see the test below)
         assert np.abs(quant(ids).asnumpy() - ref).max() / np.abs(ref).max() < 0.15
-    llm = make_llm(dst, quantization=method, enable_prefix_caching=True, enforce_eager=eager)
+    # compiled on the two buckets this prompt uses (the default set compiles ~10 graphs)
+    compiled = {} if eager else {"additional_config": {"compile": ONE_PROMPT_BUCKETS}}
+    llm = make_llm(dst, quantization=method, enable_prefix_caching=True, enforce_eager=eager, **compiled)
     try:
         out = llm.generate(token_prompts([IDS]), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     finally:

@@ -42,8 +42,10 @@ def generate(*jobs: tuple) -> list[dict]:
         for job in jobs
     ]
     script = os.path.join(os.path.dirname(__file__), "tp_generate.py")
+    # fork: the fresh interpreter never runs MindSpore itself (this process may have told vLLM to spawn)
+    env = dict(os.environ, VLLM_WORKER_MULTIPROC_METHOD="fork")
     proc = subprocess.run(
-        [sys.executable, script, json.dumps(payload)], capture_output=True, text=True, timeout=900, check=False
+        [sys.executable, script, json.dumps(payload)], capture_output=True, text=True, timeout=900, check=False, env=env
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -96,6 +96,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def forked_env(**extra: str) -> dict[str, str]:
+    """This environment for a fresh vLLM process that never runs MindSpore itself (`vllm serve`'s
+    API server, tp_generate.py): its engine cores and workers may be forked, not spawned (a DP2
+    serve start took 32 s instead of 108 s here), whatever the platform told vLLM in this process,
+    which has run MindSpore."""
+    return dict(os.environ, VLLM_WORKER_MULTIPROC_METHOD="fork", **extra)
+
+
 @contextlib.contextmanager
 def vllm_server(model, args, log, env=None, wait_s: float = 240):
     """`vllm serve MODEL --host 127.0.0.1 --port P ARGS...` until healthy -> its base URL; the
@@ -105,9 +113,7 @@ def vllm_server(model, args, log, env=None, wait_s: float = 240):
     port = _free_port()
     cmd = [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", str(model), "--host", "127.0.0.1",
            "--port", str(port), *args]  # fmt: skip
-    # fork: the API server never starts MindSpore's runtime, so its engine cores and workers may be
-    # forked, not spawned (`vllm serve`'s default): a DP2 start took 32 s instead of 108 s here
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_WORKER_MULTIPROC_METHOD="fork", **(env or {}))
+    env = forked_env(VLLM_ENABLE_V1_MULTIPROCESSING="1", **(env or {}))
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"

@@ -139,7 +139,7 @@ def test_offline_dp2_ep2_one_llm_per_rank_matches_one_process(tiny_dirs, referen
     import subprocess
     import sys
 
-    from conftest import _free_port
+    from conftest import _free_port, forked_env
 
     script = os.path.join(os.path.dirname(__file__), "tp_generate.py")
     llm = dict(enable_expert_parallel=True, enforce_eager=False, additional_config={"compile": BUCKETS},
@@ -148,9 +148,8 @@ def test_offline_dp2_ep2_one_llm_per_rank_matches_one_process(tiny_dirs, referen
     port, procs = _free_port(), []
     for rank in (0, 1):
         job = dict(model=str(tiny_dirs["deepseek_v3"]), prompts=mine[rank], follow_up=[0, 12], n=N_NEW, llm=llm)
-        env = dict(os.environ, VLLM_WORKER_MULTIPROC_METHOD="fork", VLLM_DP_SIZE="2", VLLM_DP_RANK=str(rank),
-                   VLLM_DP_RANK_LOCAL=str(rank), VLLM_DP_MASTER_IP="127.0.0.1",
-                   VLLM_DP_MASTER_PORT=str(port))  # fmt: skip
+        env = forked_env(VLLM_DP_SIZE="2", VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL=str(rank),
+                         VLLM_DP_MASTER_IP="127.0.0.1", VLLM_DP_MASTER_PORT=str(port))  # fmt: skip
         cmd = [sys.executable, script, json.dumps([job])]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import make_llm
+from conftest import forked_env, make_llm
 
 pytestmark = [pytest.mark.needs_mindspore, pytest.mark.needs_torch]
 
@@ -42,11 +42,10 @@ def generate(*jobs: tuple) -> list[dict]:
         for job in jobs
     ]
     script = os.path.join(os.path.dirname(__file__), "tp_generate.py")
-    # fork: the fresh interpreter never runs MindSpore itself (this process may have told vLLM to spawn)
-    env = dict(os.environ, VLLM_WORKER_MULTIPROC_METHOD="fork")
     proc = subprocess.run(
-        [sys.executable, script, json.dumps(payload)], capture_output=True, text=True, timeout=900, check=False, env=env
-    )
+        [sys.executable, script, json.dumps(payload)], capture_output=True, text=True, timeout=900, check=False,
+        env=forked_env(),
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -91,7 +91,7 @@ def test_mindspore_runtime_started_only_after_a_first_operation():
     import sys
 
     code = (
-        "import os, sys; from ms_vllm.forking import mindspore_runtime_started as started\n"
+        "from ms_vllm.forking import mindspore_runtime_started as started\n"
         "a = started(); import mindspore as ms, numpy as np; b = started()\n"
         "ms.set_device('CPU'); (ms.Tensor(np.ones((2, 2), np.float32)) * 2).asnumpy()\n"
         "print(a, b, started())"

@@ -158,6 +158,9 @@ class PrecisionDebugger:
         try:
             yield
         finally:
+            end_pass = getattr(self._dumper, "end_pass", None)  # items the pass has not handed over yet
+            if end_pass is not None:
+                end_pass()
             rec.where = outer
 
     def jit(self, fn: Any) -> Any:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ProbeError
+from .grad_taps import GradTaps
 from .recorder import Recorder
 from .stacks import call_stack
 
@@ -171,6 +172,7 @@ class MindSporeDumper:
         self._switched = False
         self._saved_env: str | None = None
         self._saved_mode: int | None = None
+        self._taps: GradTaps | None = None  # the Cells' backward items (hooks on their tensors)
         self.graph = None  # jit="graph": the probes of the step being dumped (dump_graph.GraphProbes)
 
     # ------------------------------------------------------------------ attach / detach
@@ -220,40 +222,48 @@ class MindSporeDumper:
     def _hook_cell(self, cell, path: str, cls: str, parent: tuple[str, str] | None) -> None:
         rec = self.recorder
         local = self._local
+        taps = self._taps
 
         # Plain closures without default arguments: MindSpore parses hooks when it compiles a jit
         # graph, and a default argument made that parse fail (measured).
         def pre(c, args, kwargs):
-            if rec.active and not getattr(local, "busy", False):
+            if not rec.active:
+                return None
+            if not getattr(local, "busy", False):
                 local.busy = True
                 try:
                     rec.forward_pre(path, cls, args, kwargs)
                 finally:
                     local.busy = False
+            copied = taps.enter(path, cls, parent, args)  # also in a pipeline's re-run forward: its B's items
+            return None if copied is None else (copied, kwargs)
 
         def post(c, args, out):
-            if rec.active and not getattr(local, "busy", False):
+            if not rec.active:
+                return None
+            if not getattr(local, "busy", False):
                 local.busy = True
                 try:
                     rec.forward_post(path, out, list(own_params))
                 finally:
                     local.busy = False
-
-        def bwd(c, grad_input, grad_output):
-            if rec.active:
-                local.busy = True
-                try:
-                    rec.backward(path, cls, grad_input, grad_output, parent)
-                finally:
-                    local.busy = False
+            return taps.leave(path, args, out)
 
         own_params = [(p.name.rsplit(".", 1)[-1], p) for p in cell.get_parameters(expand=False)]
         self.handles.append(cell.register_forward_pre_hook(pre, with_kwargs=True))
         self.handles.append(cell.register_forward_hook(post))
-        self.handles.append(cell.register_backward_hook(bwd))
         for pname, param in own_params:
             if param.requires_grad:
                 self.handles.append(param.register_hook(self._grad_hook(path, cls, pname, len(own_params))))
+
+    def _backward_item(self, path: str, cls: str, grad_input: tuple, grad_output: tuple, parent) -> None:
+        """A Cell call's gradients, complete (GradTaps)."""
+        if self.recorder.active:
+            self._local.busy = True
+            try:
+                self.recorder.backward(path, cls, grad_input, grad_output, parent)
+            finally:
+                self._local.busy = False
 
     def _grad_hook(self, path: str, cls: str, pname: str, expected: int):
         rec = self.recorder
@@ -333,6 +343,7 @@ class MindSporeDumper:
             self._start_graph()
             return
         if not self.handles:
+            self._taps = GradTaps(self._backward_item)
             for cell, path, cls, parent in self.plan:
                 self._hook_cell(cell, path, cls, parent)
         if self.recorder.cfg.level in ("L1", "mix") and not self._patched:
@@ -371,7 +382,14 @@ class MindSporeDumper:
             self.graph.install()
         self.graph.start()
 
+    def end_pass(self) -> None:
+        """A pipeline pass ends (PrecisionDebugger.pipeline_pass)."""
+        if self._taps is not None:
+            self._taps.end_pass()
+
     def on_stop(self) -> None:
+        if self._taps is not None:
+            self._taps.flush()
         if self.graph is not None:
             self.graph.emit()
             self.graph.remove()

@@ -82,7 +82,9 @@ def array_stats(a: np.ndarray) -> dict[str, Any]:
             "InfCount": 0,
         }
     x = _as_float(np.asarray(a))
-    flat = x.reshape(-1)
+    # In memory order: a view, also of a column-major array (MindSpore's weight gradients are
+    # transposed views; reshape(-1) copied them). The sums then add in memory order.
+    flat = x.ravel(order="K")
     # float32 arrays are summed in float32: numpy's pairwise sum keeps ~log2(n) ulp of error, and a
     # float64 accumulator made the mean the slowest of the four statistics. The ufuncs' reduce is
     # what ndarray.sum/max/min call, less their argument handling (a dump takes ~1000 a step).

@@ -32,7 +32,7 @@ Emit = Callable[[str, str, "tuple | None", tuple, Any], None]
 class _Call:
     """One call of a Cell whose gradients are arriving."""
 
-    __slots__ = ("seq", "path", "cls", "parent", "grad_in", "grad_out", "inputs_waiting", "outputs_waiting", "hooked")
+    __slots__ = ("cls", "grad_in", "grad_out", "hooked", "inputs_waiting", "outputs_waiting", "parent", "path", "seq")
 
     def __init__(self, seq: int, path: str, cls: str, parent: Any):
         self.seq, self.path, self.cls, self.parent = seq, path, cls, parent

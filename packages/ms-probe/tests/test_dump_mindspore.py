@@ -170,7 +170,7 @@ def test_config_file_and_errors(ms, tmp_path):
 def test_synchronous_cpu_reads_tensors_in_place_with_the_same_numbers(ms, tmp_path):
     """With pynative_synchronize the dumper reads each tensor through DLPack (no copy): the
     statistics and the saved tensors equal those of the copying path, bit for bit."""
-    from ms_probe.dump_mindspore import MindSporeAdapter
+    from ms_probe.adapter_mindspore import MindSporeAdapter
 
     net = _net(ms)
     x = ms.Tensor(np.random.default_rng(0).normal(size=(3, 4)).astype(np.float32))

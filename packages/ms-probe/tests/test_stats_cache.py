@@ -159,7 +159,7 @@ def _ms_net(ms):
 def test_mindspore_dump_is_the_same_with_and_without_the_cache(tmp_path, monkeypatch, async_dump):
     import mindspore as ms
 
-    from ms_probe.dump_mindspore import MindSporeAdapter
+    from ms_probe.adapter_mindspore import MindSporeAdapter
 
     ms.set_device("CPU")
     net = _ms_net(ms)

@@ -214,7 +214,8 @@ class PrecisionDebugger:
             (str(i) if len(models) > 1 or isinstance(model, (list, tuple)) else "", m) for i, m in enumerate(models)
         ]
         if framework == "mindspore":
-            from .dump_mindspore import MindSporeAdapter, MindSporeDumper
+            from .adapter_mindspore import MindSporeAdapter
+            from .dump_mindspore import MindSporeDumper
 
             adapter, dumper_cls = MindSporeAdapter(), MindSporeDumper
         else:

@@ -1,5 +1,6 @@
-"""The MindSpore dumper: PyNative Cell hooks (level L0), wrapped functional ops (L1/mix) and
-parameter-gradient hooks, feeding the framework-neutral Recorder.
+"""The MindSpore dumper: PyNative Cell forward hooks (level L0) with backward items from tensor
+hooks (grad_taps.py), wrapped functional ops (L1/mix) and parameter-gradient hooks, feeding the
+framework-neutral Recorder.
 
 mindspore.jit (measured on MindSpore 2.10 CPU, see docs/ms-probe.md): when a jit function calls a
 hooked Cell, MindSpore compiles the hooks into the graph, and a hook that does real work (a

@@ -63,8 +63,9 @@ class GradTaps:
         self._ready: dict[int, _Call] = {}  # seq -> calls without inputs to differentiate, outputs' gradients in
 
     def _differentiable(self, x: Any) -> bool:
-        # `_requires_grad` alone is not enough: a grad function's integer inputs have it too
-        return isinstance(x, self._tensor) and x._requires_grad and x.dtype in self._floats
+        """Whether tensor `x` can carry a gradient (`_requires_grad` alone is not enough: a grad
+        function's integer inputs have it too)."""
+        return x._requires_grad and x.dtype in self._floats
 
     def enter(self, path: str, cls: str, parent: Any, args: tuple) -> tuple | None:
         """At the Cell's entry: the arguments with its differentiable inputs copied (None: unchanged)."""
